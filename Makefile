@@ -1,0 +1,28 @@
+# The README's two commands. Each installs what it needs (launch/install.sh is quick
+# when everything is already there), then does its job.
+VENV ?= .venv
+NP ?= 2
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: install install-test demo test test-fast bench clean
+
+install:
+	VENV=$(VENV) bash launch/install.sh
+
+install-test:
+	VENV=$(VENV) bash launch/install.sh --extras test
+
+## make demo: train the built-in digits model on 2 processes with horovodrun.
+demo: install
+	horovodrun -np $(NP) hvdtrain fit
+
+## make test: the whole suite, multi-process tests included (CPU only).
+test: install-test
+	python -m pytest -ra
+
+## make test-fast: the in-process tests only.
+test-fast: install-test
+	python -m pytest -ra -m "not multiprocess"
+
+clean:
+	rm -rf runs .pytest_cache

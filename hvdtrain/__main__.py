@@ -1,0 +1,5 @@
+"""`python -m hvdtrain` is the `hvdtrain` command."""
+
+from hvdtrain.cli import main
+
+main()

@@ -1,0 +1,303 @@
+"""The typed run configuration: YAML file, then command-line overrides, then validation.
+
+Every field has a docstring; `hvdtrain config` prints them as a commented YAML file.
+Fields whose meaning depends on the world size say so with `dist:`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from hvdtrain.errors import UserError
+
+
+@dataclass
+class DataConfig:
+    name: str = "digits"
+    """Data set: `digits` (scikit-learn's 8x8 digits, no download), `random` (synthetic),
+    a path to an `.npz` file with arrays `x` and `y`, or `package.module:function`
+    returning a torch Dataset or a (train, val) pair of them."""
+    batch_size: int = 64
+    """Samples per process per step. dist: the global batch is batch_size x world size x train.accumulate."""
+    val_fraction: float = 0.2
+    """Share of a single data set held out for validation (ignored when the source gives a (train, val) pair)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0 loads in the training process)."""
+    samples: int = 4096
+    """`random` only: number of samples."""
+    features: int = 64
+    """`random` only: features per sample."""
+    classes: int = 10
+    """`random` only: number of classes."""
+
+    def __post_init__(self) -> None:
+        _require(self.name.strip() != "", "data.name", "must name a data set, e.g. digits")
+        _require(self.batch_size >= 1, "data.batch_size", f"must be at least 1, got {self.batch_size}")
+        _require(0.0 < self.val_fraction < 1.0, "data.val_fraction", f"must be between 0 and 1, got {self.val_fraction}")
+        _require(self.num_workers >= 0, "data.num_workers", f"must be 0 or more, got {self.num_workers}")
+        _require(self.samples >= 2, "data.samples", f"must be at least 2, got {self.samples}")
+        _require(self.features >= 1, "data.features", f"must be at least 1, got {self.features}")
+        _require(self.classes >= 2, "data.classes", f"must be at least 2, got {self.classes}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mlp"
+    """Model: `mlp`, `cnn`, or `package.module:function` returning an nn.Module
+    (it may take `input_shape` and `num_classes` keyword arguments)."""
+    hidden: int = 128
+    """`mlp`: width of the hidden layer; `cnn`: channels of the first convolution."""
+
+    def __post_init__(self) -> None:
+        _require(self.name.strip() != "", "model.name", "must name a model, e.g. mlp")
+        _require(self.hidden >= 1, "model.hidden", f"must be at least 1, got {self.hidden}")
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["sgd", "adamw"] = "sgd"
+    """Optimizer."""
+    lr: float = 0.05
+    """Learning rate for one process. dist: multiplied by world size x train.accumulate when scale_lr is on."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    weight_decay: float = 0.0
+    """Weight decay (decoupled for AdamW)."""
+    scale_lr: bool = True
+    """dist: scale lr linearly with the global batch (Goyal et al., 2017)."""
+    warmup_epochs: float = 1.0
+    """dist: epochs over which lr ramps linearly from `lr` to the scaled lr (0 to switch off)."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule after warmup."""
+    clip_grad_norm: Optional[float] = None
+    """Clip the global gradient norm to this value, after the allreduce (None: no clipping)."""
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "optim.lr", f"must be positive, got {self.lr}")
+        _require(0 <= self.momentum < 1, "optim.momentum", f"must be in [0, 1), got {self.momentum}")
+        _require(self.weight_decay >= 0, "optim.weight_decay", f"must be 0 or more, got {self.weight_decay}")
+        _require(self.warmup_epochs >= 0, "optim.warmup_epochs", f"must be 0 or more, got {self.warmup_epochs}")
+        if self.clip_grad_norm is not None:
+            _require(self.clip_grad_norm > 0, "optim.clip_grad_norm", f"must be positive, got {self.clip_grad_norm}")
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 20
+    """Passes over the training data."""
+    seed: int = 0
+    """Seed for initial weights, data order and augmentation; the same seed gives the same run on CPU."""
+    accumulate: int = 1
+    """dist: backward passes per optimizer step (Horovod's backward_passes_per_step)."""
+    compression: Literal["none", "fp16"] = "none"
+    """dist: compress gradients to fp16 for the allreduce."""
+    adasum: bool = False
+    """dist: combine gradients with Adasum instead of averaging (needs the MPI controller)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto` uses cuda:<local rank> when GPUs are visible, else the CPU."""
+    threads: int = 0
+    """dist: torch threads per process; 0 divides this host's cores among its local processes."""
+    engine: Literal["auto", "horovod", "local"] = "auto"
+    """`auto`: Horovod when started by horovodrun or mpirun, else one local process."""
+
+    def __post_init__(self) -> None:
+        _require(self.epochs >= 1, "train.epochs", f"must be at least 1, got {self.epochs}")
+        _require(self.accumulate >= 1, "train.accumulate", f"must be at least 1, got {self.accumulate}")
+        _require(self.threads >= 0, "train.threads", f"must be 0 (auto) or more, got {self.threads}")
+
+
+@dataclass
+class RunConfig:
+    dir: Optional[str] = None
+    """Run directory (default: runs/fit-<date>-<time>). Holds config.yaml, metrics.jsonl, summary.json, checkpoints/."""
+    resume: bool = False
+    """Continue from the newest checkpoint in the run directory."""
+    overwrite: bool = False
+    """Start afresh in an existing run directory, deleting what it holds."""
+    checkpoint_every: int = 1
+    """Write a checkpoint every this many epochs (the last epoch always gets one)."""
+    progress: Literal["auto", "bar", "off"] = "auto"
+    """Rank 0's progress bar: `auto` shows it when the terminal is interactive."""
+
+    def __post_init__(self) -> None:
+        _require(self.checkpoint_every >= 1, "run.checkpoint_every", f"must be at least 1, got {self.checkpoint_every}")
+        _require(not (self.resume and self.overwrite), "run.resume", "and run.overwrite exclude each other: pick one")
+
+
+@dataclass
+class Config:
+    """Everything one `hvdtrain fit` needs."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], overrides: dict[str, Any] | None = None) -> "Config":
+        """Builds a validated config from nested mappings plus dotted-key overrides."""
+        merged = _merge_overrides(raw, overrides or {})
+        sections = {}
+        section_types = _section_types()
+        _reject_unknown(merged, section_types, "")
+        for name, section_type in section_types.items():
+            values = merged.get(name) or {}
+            if not isinstance(values, dict):
+                raise UserError(f"config section '{name}' must be a mapping of keys to values, got {values!r}")
+            sections[name] = _build_section(section_type, values, name)
+        return cls(**sections)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Reads a YAML file (safe loader) and applies overrides on top."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"config file '{path}' does not exist: check the path given to --config")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise UserError(f"config file '{path}' is not valid YAML{where}: fix its syntax") from err
+        if not isinstance(raw, dict):
+            raise UserError(f"config file '{path}' must hold a mapping of sections (data, model, ...), not {type(raw).__name__}")
+    return Config.from_dict(raw, overrides)
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """`section.key=value` from --set; the value is read as YAML (so 3, 0.1, true, null work)."""
+    key, sep, value = text.partition("=")
+    if not sep or "." not in key:
+        raise UserError(f"--set expects section.key=value (for example data.batch_size=32), got '{text}'")
+    try:
+        parsed = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def describe() -> str:
+    """The default config as YAML with each field's docstring as a comment."""
+    lines = ["# hvdtrain fit configuration: every key with its default.", ""]
+    defaults = Config().to_dict()
+    for section, section_type in _section_types().items():
+        lines.append(f"{section}:")
+        docs = _field_docs(section_type)
+        for name, value in defaults[section].items():
+            for doc_line in docs.get(name, "").splitlines():
+                lines.append(f"  # {doc_line.strip()}")
+            dumped = yaml.safe_dump({name: value}, default_flow_style=True).strip()[1:-1]
+            lines.append(f"  {dumped}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# --- helpers -----------------------------------------------------------------
+
+
+def _require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise UserError(f"config key '{key}' {message}")
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def _merge_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for dotted, value in overrides.items():
+        section, _, key = dotted.partition(".")
+        if not key:
+            raise UserError(f"override '{dotted}' must be section.key, e.g. data.batch_size")
+        target = merged.setdefault(section, {})
+        if isinstance(target, dict):
+            target[key] = value
+    return merged
+
+
+def _reject_unknown(values: dict[str, Any], known: Any, prefix: str) -> None:
+    for key in values:
+        if key not in known:
+            full = f"{prefix}{key}"
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"known keys: {', '.join(prefix + k for k in known)}"
+            raise UserError(f"config key '{full}' does not exist: {hint}")
+
+
+def _build_section(section_type: type, values: dict[str, Any], section: str) -> Any:
+    hints = typing.get_type_hints(section_type)
+    _reject_unknown(values, hints, f"{section}.")
+    kwargs = {key: _coerce(value, hints[key], f"{section}.{key}") for key, value in values.items()}
+    return section_type(**kwargs)
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Checks one value against its field type; numbers and booleans given as text are converted."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Union and type(None) in args:  # Optional[X]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)), key)
+    if origin is Literal:
+        if value not in args:
+            raise UserError(f"config key '{key}' must be one of {', '.join(map(str, args))}; got {value!r}")
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise UserError(f"config key '{key}' must be true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise UserError(f"config key '{key}' must be an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise UserError(f"config key '{key}' must be a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UserError(f"config key '{key}' must be text, got {value!r}")
+    raise TypeError(f"unsupported config type {annotation!r} for {key}")
+
+
+def _field_docs(section_type: type) -> dict[str, str]:
+    """Attribute docstrings (a string right after a field) read from the source."""
+    tree = ast.parse(inspect.getsource(section_type))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+                docs[node.target.id] = inspect.cleandoc(str(following.value.value))
+    return docs

@@ -1,0 +1,75 @@
+"""Choosing and starting an engine, and the rank facts known before it starts."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hvdtrain.engine.base import Engine, GradientSync, RankFailed
+from hvdtrain.engine.local import LocalEngine
+from hvdtrain.errors import UserError
+
+__all__ = ["Engine", "GradientSync", "LocalEngine", "RankFailed", "launcher_rank", "start_engine"]
+
+# Rank variables set by the launchers we support, in the order we trust them.
+_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def launcher_rank() -> int | None:
+    """This process's rank as its launcher set it, or None when no launcher started it.
+
+    Known before any engine starts, so that only rank 0 reports a bad command line.
+    """
+    for name in _RANK_VARIABLES:
+        if name in os.environ:
+            try:
+                return int(os.environ[name])
+            except ValueError:
+                return None
+    return None
+
+
+def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0) -> Engine:
+    """Starts Horovod when a launcher started us (or when asked), else a local engine.
+
+    dist: sets this process's device (cuda:<local rank>) and thread count (cores
+    divided among the processes on this host) before any tensor work.
+    """
+    use_horovod = kind == "horovod" or (kind == "auto" and launcher_rank() is not None)
+    if not use_horovod:
+        engine_device = _pick_device(device, local_rank=0, local_size=1)
+        torch.set_num_threads(_threads_per_process(threads, local_size=1))
+        return LocalEngine(engine_device)
+
+    from hvdtrain.engine.horovod import HorovodEngine  # imports horovod.torch
+
+    HorovodEngine.init()
+    local_rank, local_size = HorovodEngine.local_facts()
+    engine_device = _pick_device(device, local_rank, local_size)
+    torch.set_num_threads(_threads_per_process(threads, local_size))
+    return HorovodEngine.start(engine_device)
+
+
+def _threads_per_process(requested: int, local_size: int) -> int:
+    # dist: ranks on one host share its cores; more threads than cores slows every rank.
+    if requested > 0:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_size))
+
+
+def _pick_device(kind: str, local_rank: int, local_size: int) -> torch.device:
+    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("train.device is cuda but no GPU is visible: use --device cpu, or check CUDA_VISIBLE_DEVICES")
+    visible = torch.cuda.device_count()
+    if local_size > visible:
+        raise UserError(
+            f"{local_size} processes on this host but only {visible} visible GPU(s): "
+            f"start at most {visible} processes per host, or use --device cpu"
+        )
+    # dist: one process per GPU; the index is among the devices CUDA_VISIBLE_DEVICES leaves visible.
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)

@@ -1,0 +1,128 @@
+"""The boundary between the training loop and the distributed engine.
+
+The loop, the trainer and the metrics speak only to an `Engine`. `HorovodEngine` is
+the one module that imports `horovod.torch`; `LocalEngine` is one process whose
+collectives are identities, so everything above runs and is tested without Horovod.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class GradientSync:
+    """How gradients are combined across processes."""
+
+    accumulate: int = 1
+    """Backward passes per optimizer step."""
+    compression: str = "none"
+    """`none` or `fp16`."""
+    adasum: bool = False
+    """Adasum instead of averaging."""
+
+
+class Engine(ABC):
+    """Rank facts and the collectives the trainer needs."""
+
+    rank: int
+    local_rank: int
+    size: int
+    local_size: int
+    device: torch.device
+    controller: str  # "gloo", "mpi" or "local"
+
+    @property
+    def is_root(self) -> bool:
+        """Rank 0 alone prints progress and writes shared files."""
+        return self.rank == 0
+
+    def describe(self) -> str:
+        """The start line every rank logs."""
+        return (
+            f"rank {self.rank}/{self.size} local_rank {self.local_rank}/{self.local_size} "
+            f"device {self.device} controller {self.controller} threads {torch.get_num_threads()}"
+        )
+
+    @abstractmethod
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                       sync: GradientSync) -> torch.optim.Optimizer:
+        """An optimizer whose gradients are combined across processes before `step`."""
+
+    @abstractmethod
+    def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
+        """Waits for the gradient allreduce; after it, gradients are global (clip or unscale here)."""
+
+    @abstractmethod
+    def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
+        """Context in which `optimizer.step()` does not allreduce again (after `synchronize`)."""
+
+    @abstractmethod
+    def broadcast_parameters(self, model: torch.nn.Module) -> None:
+        """Copies rank 0's parameters and buffers to every rank."""
+
+    @abstractmethod
+    def broadcast_object(self, obj: Any, name: str) -> Any:
+        """Rank 0's picklable object, on every rank."""
+
+    @abstractmethod
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        """Every rank's object, in rank order, on every rank."""
+
+    @abstractmethod
+    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Element-wise sum over ranks (metrics: sums and counts, so means are exact)."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Returns once every rank has arrived."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Releases the engine; collectives are invalid afterwards."""
+
+    def broadcast_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Copies rank 0's optimizer state (as after a resume) to every rank."""
+        if self.size == 1:
+            return
+        state = self.broadcast_object(optimizer.state_dict() if self.is_root else None, "optimizer_state")
+        if not self.is_root:
+            optimizer.load_state_dict(state)
+
+    @contextlib.contextmanager
+    def agree(self, phase: str) -> Iterator[None]:
+        """Runs a set-up phase on every rank and fails all ranks together if any fails.
+
+        Set-up errors can differ by rank (a file missing on one host); without this
+        the healthy ranks would wait forever in their first collective.
+        """
+        error: BaseException | None = None
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 - re-raised below on every rank
+            error = err
+        if self.size > 1:
+            reports = self.allgather_object(None if error is None else _report(error), f"agree.{phase}")
+            failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+            if failed and error is None:
+                rank, (kind, message) = failed[0]
+                raise RankFailed(rank, kind, message)
+        if error is not None:
+            raise error
+
+
+class RankFailed(Exception):
+    """Another rank failed during a phase that all ranks run together."""
+
+    def __init__(self, rank: int, kind: str, message: str):
+        super().__init__(f"rank {rank} failed: {message}")
+        self.rank, self.kind, self.message = rank, kind, message
+
+
+def _report(error: BaseException) -> tuple[str, str]:
+    return type(error).__name__, str(error)

@@ -1,0 +1,90 @@
+"""The Horovod engine: the only module that imports `horovod.torch`."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from hvdtrain.engine.base import Engine, GradientSync
+from hvdtrain.errors import UserError
+
+try:
+    import horovod.torch as hvd
+except ImportError as err:  # reported when a launcher asks for Horovod, not at import
+    hvd = None
+    _import_error: ImportError | None = err
+else:
+    _import_error = None
+
+
+def horovod_available() -> bool:
+    return hvd is not None
+
+
+class HorovodEngine(Engine):
+    """Wraps an initialised Horovod; build it with `HorovodEngine.start()`."""
+
+    def __init__(self, device: torch.device, controller: str):
+        self.rank, self.local_rank = hvd.rank(), hvd.local_rank()
+        self.size, self.local_size = hvd.size(), hvd.local_size()
+        self.device = device
+        self.controller = controller
+
+    @staticmethod
+    def init() -> None:
+        """Joins the job the launcher started (horovodrun or mpirun)."""
+        if hvd is None:
+            raise UserError(
+                f"started by a launcher but Horovod does not import ({_import_error}): "
+                "run launch/install.sh, or run hvdtrain fit alone without horovodrun/mpirun"
+            )
+        hvd.init()
+
+    @staticmethod
+    def local_facts() -> tuple[int, int]:
+        """(local_rank, local_size), valid after `init`."""
+        return hvd.local_rank(), hvd.local_size()
+
+    @classmethod
+    def start(cls, device: torch.device) -> "HorovodEngine":
+        controller = "mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled() else "unknown"
+        return cls(device, controller)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                       sync: GradientSync) -> torch.optim.Optimizer:
+        if sync.adasum and not hvd.mpi_enabled():
+            raise UserError("train.adasum needs the MPI controller: launch with horovodrun --mpi or mpirun, or drop --adasum")
+        compression = hvd.Compression.fp16 if sync.compression == "fp16" else hvd.Compression.none
+        return hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=model.named_parameters(),
+            compression=compression,
+            backward_passes_per_step=sync.accumulate,
+            op=hvd.Adasum if sync.adasum else hvd.Average,
+        )
+
+    def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.synchronize()
+
+    def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
+        return optimizer.skip_synchronize()
+
+    def broadcast_parameters(self, model: torch.nn.Module) -> None:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+    def broadcast_object(self, obj: Any, name: str) -> Any:
+        return hvd.broadcast_object(obj, root_rank=0, name=name)
+
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        return hvd.allgather_object(obj, name=name)
+
+    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return hvd.allreduce(tensor, name=name, op=hvd.Sum)
+
+    def barrier(self) -> None:
+        hvd.barrier()
+
+    def shutdown(self) -> None:
+        hvd.shutdown()

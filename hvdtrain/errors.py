@@ -1,0 +1,11 @@
+"""The one exception type for mistakes a user can fix.
+
+A `UserError` ends the run with one line from rank 0 and exit status 2; anything
+else is a bug or a failure of the machine and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """Bad input: the message says what is wrong and how to fix it."""
+
+    exit_code = 2

@@ -1,0 +1,48 @@
+"""`package.module:function` factories for users' own data sets and models.
+
+A factory runs the user's code by design: only point hvdtrain at code you trust.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable
+
+from hvdtrain.errors import UserError
+
+
+def is_factory_path(text: str) -> bool:
+    module, sep, function = text.partition(":")
+    return bool(sep and module and function)
+
+
+def resolve_factory(path: str, what: str) -> Callable[..., Any]:
+    """Imports `package.module:function`; a clear error when it does not import."""
+    if not is_factory_path(path):
+        raise UserError(f"{what} factory '{path}' must look like package.module:function")
+    module_name, _, attribute = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        raise UserError(
+            f"{what} factory '{path}': module '{err.name}' not found; install it or add its folder to PYTHONPATH"
+        ) from err
+    except Exception as err:  # the user's module raised while importing
+        raise UserError(f"{what} factory '{path}': importing '{module_name}' failed: {type(err).__name__}: {err}") from err
+    target: Any = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise UserError(f"{what} factory '{path}': '{module_name}' has no attribute '{attribute}'")
+        target = getattr(target, part)
+    if not callable(target):
+        raise UserError(f"{what} factory '{path}' is not callable")
+    return target
+
+
+def call_factory(factory: Callable[..., Any], offered: dict[str, Any]) -> Any:
+    """Calls `factory` with those of the offered keyword arguments it accepts."""
+    parameters = inspect.signature(factory).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    kwargs = {k: v for k, v in offered.items() if takes_any or k in parameters}
+    return factory(**kwargs)

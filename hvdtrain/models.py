@@ -1,0 +1,59 @@
+"""Built-in models and user model factories."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from hvdtrain.config import ModelConfig
+from hvdtrain.errors import UserError
+from hvdtrain.factory import call_factory, is_factory_path, resolve_factory
+
+BUILT_IN = ("mlp", "cnn")
+
+
+def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int | None) -> nn.Module:
+    """The model the config names; call it with the same seed on every rank."""
+    if cfg.name in BUILT_IN:
+        if num_classes is None:
+            raise UserError(
+                f"model '{cfg.name}' needs the number of classes: give your data set a `classes` "
+                "or `num_classes` attribute, or use a model factory"
+            )
+        return mlp(input_shape, num_classes, cfg.hidden) if cfg.name == "mlp" else cnn(input_shape, num_classes, cfg.hidden)
+    if is_factory_path(cfg.name):
+        made = call_factory(resolve_factory(cfg.name, "model"),
+                            {"input_shape": input_shape, "num_classes": num_classes})
+        if not isinstance(made, nn.Module):
+            raise UserError(f"model factory '{cfg.name}' returned {type(made).__name__}: return a torch.nn.Module")
+        return made
+    raise UserError(f"unknown model '{cfg.name}': use one of {', '.join(BUILT_IN)} or package.module:function")
+
+
+def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 128) -> nn.Module:
+    """Two linear layers on the flattened input."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(math.prod(input_shape), hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, num_classes),
+    )
+
+
+def cnn(input_shape: tuple[int, ...], num_classes: int, channels: int = 32) -> nn.Module:
+    """Three 3x3 convolutions and a linear head, for (channels, height, width) images."""
+    if len(input_shape) != 3:
+        raise UserError(
+            f"model 'cnn' needs image inputs shaped (channels, height, width), got {input_shape}: use --model mlp"
+        )
+    c = channels
+    return nn.Sequential(
+        nn.Conv2d(input_shape[0], c, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(2 * c, 4 * c, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(4 * c, num_classes),
+    )

@@ -1,0 +1,50 @@
+"""What rank 0 shows a person: a progress bar per epoch and one line per epoch."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+
+def show_bar(mode: str) -> bool:
+    """`auto`: a bar only where someone watches (an interactive terminal)."""
+    return mode == "bar" or (mode == "auto" and sys.stderr.isatty())
+
+
+class EpochProgress:
+    """Rank 0's bar for one epoch; a no-op elsewhere or when switched off."""
+
+    # Reading the loss waits for the device; do it at most this often (in steps).
+    LOSS_EVERY = 10
+
+    def __init__(self, enabled: bool, epoch: int, epochs: int, steps: int, first_step: int):
+        self.first_step = first_step
+        self.bar = tqdm(total=steps, desc=f"epoch {epoch}/{epochs}", unit="step", leave=False,
+                        dynamic_ncols=True, file=sys.stderr) if enabled else None
+
+    def step(self, step: int, loss: torch.Tensor) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        if (step - self.first_step) % self.LOSS_EVERY == 1:
+            self.bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def epoch_line(record: dict[str, Any]) -> str:
+    return (
+        f"epoch {record['epoch']}/{record['epochs']}  train_loss {record['train_loss']:.4f}  "
+        f"val_loss {record['val_loss']:.4f}  val_acc {record['val_acc']:.4f}  "
+        f"{record['train_samples_per_s']:,.0f} samples/s  {record['elapsed_s']:.1f}s"
+    )
+
+
+def say(message: str) -> None:
+    """A line for the user on stdout, flushed so launchers forward it at once."""
+    print(message, flush=True)

@@ -1,0 +1,112 @@
+"""Sharding a data set by rank without materialising the shuffled order.
+
+Training order is a seeded pseudo-random permutation of [0, n) computed on the fly
+by a small Feistel network with cycle walking: memory is O(batch), the first batch
+is ready in microseconds at any n, and each (seed, epoch) gives a different order.
+
+Global batch t is positions [t*G, (t+1)*G) of the permutation, with G = batch x world
+size; rank r takes the r-th slice of B. So the global batches are the same for any
+world size with the same G, the shards are disjoint, and together they cover every
+sample of the epoch except the final n mod G (each epoch drops different ones).
+Unlike `torch.utils.data.DistributedSampler`, nothing is padded or repeated, and all
+ranks always see the same number of batches, so no rank waits on another forever.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+from torch.utils.data import Sampler
+
+_ROUNDS = 4
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+class FeistelPermutation:
+    """A bijection of [0, n) keyed by (seed, epoch), evaluated element-wise on arrays."""
+
+    def __init__(self, n: int, seed: int, epoch: int):
+        if n < 1:
+            raise ValueError(f"permutation needs n >= 1, got {n}")
+        self.n = n
+        bits = max(2, int(n - 1).bit_length())
+        bits += bits % 2  # two equal halves
+        self._half_bits = np.uint64(bits // 2)
+        self._half_mask = np.uint64((1 << (bits // 2)) - 1)
+        keys = np.random.SeedSequence([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, 0x5EED]).generate_state(_ROUNDS, np.uint64)
+        self._keys = [np.uint64(k) for k in keys]
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        values = positions.astype(np.uint64)
+        pending = np.ones(values.shape, dtype=bool)
+        # Cycle walking: the network permutes [0, 2^bits); re-apply it until the value
+        # lands in [0, n). The domain is under 4n, so this ends after a few passes.
+        while pending.any():
+            values[pending] = self._encrypt(values[pending])
+            pending = values >= np.uint64(self.n)
+        return values.astype(np.int64)
+
+    def _encrypt(self, values: np.ndarray) -> np.ndarray:
+        left = values >> self._half_bits
+        right = values & self._half_mask
+        for key in self._keys:
+            left, right = right, left ^ (_mix(right ^ key) & self._half_mask)
+        return (left << self._half_bits) | right
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    # splitmix64's finaliser: every input bit reaches every output bit.
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9) & _MASK64
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> np.uint64(31))
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Yields this rank's batches of indices for one epoch (call `set_epoch` each epoch).
+
+    `multiple` rounds the number of batches down to a multiple (gradient
+    accumulation needs whole optimizer steps on every rank).
+    """
+
+    def __init__(self, n: int, batch_size: int, rank: int, world_size: int, *,
+                 seed: int = 0, shuffle: bool = True, multiple: int = 1):
+        self.n, self.batch_size = n, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.global_batch = batch_size * world_size  # dist
+        self.num_batches = (n // (self.global_batch * multiple)) * multiple
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        permutation = FeistelPermutation(self.n, self.seed, self.epoch) if self.shuffle else None
+        offsets = np.arange(self.batch_size, dtype=np.int64)
+        for step in range(self.num_batches):
+            # dist: this rank's slice of global batch `step`.
+            positions = step * self.global_batch + self.rank * self.batch_size + offsets
+            indices = permutation(positions) if permutation is not None else positions
+            yield indices.tolist()
+
+
+class EvalShardSampler(Sampler[list[int]]):
+    """Every sample exactly once across ranks: rank r takes the r-th contiguous block."""
+
+    def __init__(self, n: int, batch_size: int, rank: int, world_size: int):
+        # dist: blocks differ by at most one sample; metrics are reduced as sums, so exact.
+        self.start = n * rank // world_size
+        self.stop = n * (rank + 1) // world_size
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return -(-(self.stop - self.start) // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for first in range(self.start, self.stop, self.batch_size):
+            yield list(range(first, min(first + self.batch_size, self.stop)))

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Sets up everything hvdtrain needs, once, and is quick when it is already done.
+# Used by `make demo`, `make test` (and so CI) and both Docker images, so the steps
+# a user runs are the steps that are tested.
+#
+#   launch/install.sh [--venv DIR] [--extras test] [--gpu]
+#
+# Steps: a virtual environment; torch; OpenMPI from Debian when `mpicxx` is missing
+# and we are root; Horovod 0.28.1 built with PyTorch, Gloo and MPI (and NCCL with
+# --gpu) into a wheel cache outside the repository, reused on the next run; the
+# hvdtrain package itself, editable.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv="${VENV:-$here/.venv}"
+extras="${EXTRAS:-}"
+gpu="${HVDTRAIN_GPU:-0}"
+python="${PYTHON:-python3.11}"
+torch_spec="${TORCH_SPEC:-torch==2.13.0}"
+horovod_version="0.28.1"
+cache="${HVDTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}"
+use_venv=1
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --venv) venv="$2"; shift 2 ;;
+    --system) use_venv=0; shift ;;  # Docker images install into the image's Python
+    --extras) extras="$2"; shift 2 ;;
+    --gpu) gpu=1; shift ;;
+    *) echo "install.sh: unknown option '$1' (see the header of $0)" >&2; exit 2 ;;
+  esac
+done
+
+say() { printf '[install] %s\n' "$*"; }
+
+# 1. Python environment.
+if [ "$use_venv" = 1 ]; then
+  command -v "$python" >/dev/null || python=python3
+  if [ ! -x "$venv/bin/python" ]; then
+    say "creating virtual environment $venv"
+    "$python" -m venv "$venv"
+  fi
+  export PATH="$venv/bin:$PATH"
+  py="$venv/bin/python"
+else
+  py=$(command -v python3)
+fi
+pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
+
+# 2. torch (the CPU build is on this machine's disk; elsewhere pip fetches it).
+if ! "$py" -c 'import torch' 2>/dev/null; then
+  say "installing $torch_spec"
+  pip install "$torch_spec" numpy
+fi
+
+# 3. OpenMPI. Without root we cannot install it: Horovod is then built with Gloo only.
+with_mpi=1
+if ! command -v mpicxx >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing OpenMPI from Debian"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev openssh-client >/dev/null
+  else
+    say "mpicxx not found and not root: building Horovod WITHOUT MPI (Gloo only)."
+    say "To get MPI: sudo apt-get install openmpi-bin libopenmpi-dev, then run this again."
+    with_mpi=0
+  fi
+fi
+if ! command -v cmake >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  # Debian's cmake 3.25: the cmake 4.x wheel rejects Horovod's bundled gloo.
+  apt-get install -y -qq --no-install-recommends cmake >/dev/null
+fi
+
+# 4. Horovod, built once per (Python, torch, MPI, GPU) and cached as a wheel.
+torch_version=$("$py" -c 'import torch; print(torch.__version__.split("+")[0])')
+py_tag=$("$py" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")')
+flavour="torch${torch_version}-${py_tag}-mpi${with_mpi}-gpu${gpu}"
+wheel_dir="$cache/wheels/horovod-$horovod_version-$flavour"
+
+horovod_ok() {
+  "$py" - "$with_mpi" <<'PY' 2>/dev/null
+import sys
+import horovod.torch as hvd
+need_mpi = sys.argv[1] == "1"
+assert hvd.gloo_built() and (hvd.mpi_built() or not need_mpi)
+PY
+}
+
+if ! horovod_ok; then
+  if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
+    say "building Horovod $horovod_version for $flavour (a few minutes, once)"
+    mkdir -p "$wheel_dir" "$cache/build"
+    # Horovod 0.28.1 pins -std=c++14; torch >= 2.1 headers need C++17. A compiler
+    # wrapper raises the standard without patching Horovod's sources.
+    wrapper="$cache/build/cxx17"
+    cat >"$wrapper" <<'SH'
+#!/bin/sh
+real="${HVDTRAIN_REAL_CXX:-g++}"
+for a in "$@"; do
+  [ "$a" = "-std=c++14" ] && a="-std=c++17"
+  set -- "$@" "$a"; shift
+done
+exec "$real" "$@"
+SH
+    chmod +x "$wrapper"
+    pip install 'setuptools<81' wheel packaging cloudpickle psutil pyyaml cffi numpy
+    build_env=(
+      CXX="$wrapper"
+      HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1
+      HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
+      MAKEFLAGS="-j$(nproc)"
+    )
+    if [ "$with_mpi" = 1 ]; then build_env+=(HOROVOD_WITH_MPI=1); else build_env+=(HOROVOD_WITHOUT_MPI=1); fi
+    if [ "$gpu" = 1 ]; then build_env+=(HOROVOD_GPU_OPERATIONS=NCCL); fi
+    env "${build_env[@]}" "$py" -m pip --disable-pip-version-check wheel \
+      --no-build-isolation --no-deps --no-binary horovod \
+      -w "$wheel_dir" "horovod==$horovod_version" >"$cache/build/horovod-build.log" 2>&1 || {
+        tail -n 40 "$cache/build/horovod-build.log" >&2
+        echo "install.sh: the Horovod build failed; full log: $cache/build/horovod-build.log" >&2
+        exit 1
+      }
+  fi
+  say "installing Horovod from $wheel_dir"
+  pip install --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+  pip install cloudpickle psutil pyyaml packaging cffi
+  horovod_ok || { echo "install.sh: Horovod installed but does not import with Gloo${with_mpi:+/MPI}" >&2; exit 1; }
+fi
+
+# 5. hvdtrain itself (editable) and mpi4py when MPI is there.
+spec="$here"
+[ -n "$extras" ] && spec="$here[$extras]"
+[ "$with_mpi" = 1 ] && mpi4py=mpi4py || mpi4py=
+pip install -e "$spec" $mpi4py
+say "ready: $("$py" -c 'import torch, horovod; print(f"torch {torch.__version__}, horovod {horovod.__version__}")')"
