@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from hvdtrain.config import DataConfig
 from hvdtrain.errors import UserError
-from hvdtrain.factory import call_factory, is_factory_path, resolve_factory
+from hvdtrain.factory import call_factory, is_factory_path
 
 BUILT_IN = ("digits", "random")
 
@@ -115,7 +115,7 @@ def _npz(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _from_factory(cfg: DataConfig, seed: int) -> DataSplit:
-    made = call_factory(resolve_factory(cfg.name, "data set"), {})
+    made = call_factory(cfg.name, "data set", {})
     if isinstance(made, tuple) and len(made) == 2:
         train, val = made
     elif isinstance(made, Dataset):

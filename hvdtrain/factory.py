@@ -40,9 +40,14 @@ def resolve_factory(path: str, what: str) -> Callable[..., Any]:
     return target
 
 
-def call_factory(factory: Callable[..., Any], offered: dict[str, Any]) -> Any:
-    """Calls `factory` with those of the offered keyword arguments it accepts."""
+def call_factory(path: str, what: str, offered: dict[str, Any]) -> Any:
+    """Imports and calls a factory with those of the offered keyword arguments it accepts."""
+    factory = resolve_factory(path, what)
     parameters = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     kwargs = {k: v for k, v in offered.items() if takes_any or k in parameters}
-    return factory(**kwargs)
+    try:
+        return factory(**kwargs)
+    except Exception as err:
+        raise UserError(f"{what} factory '{path}' raised {type(err).__name__}: {err} "
+                        "(--debug shows the traceback)") from err

@@ -9,7 +9,7 @@ from torch import nn
 
 from hvdtrain.config import ModelConfig
 from hvdtrain.errors import UserError
-from hvdtrain.factory import call_factory, is_factory_path, resolve_factory
+from hvdtrain.factory import call_factory, is_factory_path
 
 BUILT_IN = ("mlp", "cnn")
 
@@ -24,8 +24,7 @@ def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int
             )
         return mlp(input_shape, num_classes, cfg.hidden) if cfg.name == "mlp" else cnn(input_shape, num_classes, cfg.hidden)
     if is_factory_path(cfg.name):
-        made = call_factory(resolve_factory(cfg.name, "model"),
-                            {"input_shape": input_shape, "num_classes": num_classes})
+        made = call_factory(cfg.name, "model", {"input_shape": input_shape, "num_classes": num_classes})
         if not isinstance(made, nn.Module):
             raise UserError(f"model factory '{cfg.name}' returned {type(made).__name__}: return a torch.nn.Module")
         return made

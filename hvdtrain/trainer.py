@@ -48,7 +48,8 @@ class Run:
 def fit(config: Config, engine: Engine) -> dict[str, Any]:
     """Trains as the config says; returns the summary (also in summary.json)."""
     started = time.perf_counter()
-    print(f"hvdtrain: {engine.describe()}", file=sys.stderr, flush=True)  # every rank, once
+    sys.stderr.write(f"hvdtrain: {engine.describe()}\n")  # every rank, once; one write keeps it whole
+    sys.stderr.flush()
 
     with engine.agree("setup"):  # dist: a failure on any rank stops all of them here
         run = _build(config, engine)

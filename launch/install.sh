@@ -127,6 +127,17 @@ SH
   horovod_ok || { echo "install.sh: Horovod installed but does not import with Gloo${with_mpi:+/MPI}" >&2; exit 1; }
 fi
 
+# Horovod's Gloo launcher prints a Python traceback of its own whenever a worker
+# exits non-zero; this entry runs the same launcher and reports that in one line.
+bin_dir=$(dirname "$py")
+cat >"$bin_dir/horovodrun" <<SH
+#!$py
+from hvdtrain.launcher import horovodrun
+if __name__ == "__main__":  # Horovod's runner spawns processes that re-import this file
+    horovodrun()
+SH
+chmod +x "$bin_dir/horovodrun"
+
 # 5. hvdtrain itself (editable) and mpi4py when MPI is there.
 spec="$here"
 [ -n "$extras" ] && spec="$here[$extras]"

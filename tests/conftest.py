@@ -1,0 +1,64 @@
+"""Shared helpers: running hvdtrain under real launchers on the CPU."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+# Each launcher as a user types it, for 2 processes on this host.
+LAUNCHERS = {
+    "horovodrun-gloo": ["horovodrun", "--gloo", "-np", "2"],
+    "horovodrun-mpi": ["horovodrun", "--mpi", "-np", "2"],
+    "mpirun": ["mpirun", "-np", "2", "--oversubscribe"],
+}
+
+
+def launch_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{ROOT / 'tests'}"
+    # OpenMPI refuses root without these; containers and CI run as root.
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.pop("HOROVOD_RANK", None)
+    return env
+
+
+def run(command: list[str], *, timeout: float = 180, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Runs a command to completion; a hang fails the test instead of blocking it."""
+    return subprocess.run(command, env=launch_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def fit_under(launcher: str | None, *args: str, timeout: float = 180, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    prefix = LAUNCHERS[launcher] if launcher else []
+    return run([*prefix, "hvdtrain", "fit", "--progress", "off", *args], timeout=timeout, cwd=cwd)
+
+
+def have(command: str) -> bool:
+    return shutil.which(command, path=launch_env()["PATH"]) is not None
+
+
+requires_launchers = pytest.mark.skipif(
+    not (have("horovodrun") and have("mpirun")),
+    reason="horovodrun and mpirun are installed by launch/install.sh (make test)",
+)
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        diff = (a[name] - b[name]).abs().max().item()
+        assert diff <= atol, f"{name} differs by {diff}"

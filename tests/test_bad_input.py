@@ -1,0 +1,103 @@
+"""Every bad input: one clear line, exit status 2, no traceback, nothing overwritten."""
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hvdtrain.cli import main
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def existing_run(tmp_path_factory) -> Path:
+    """A finished run that no bad command may touch."""
+    run_dir = tmp_path_factory.mktemp("existing") / "run"
+    main(["fit", "--data", "random", "--set", "data.samples=256", "--epochs", "1", "--progress", "off",
+          "--engine", "local", "--run-dir", str(run_dir)])
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("inputs")
+    np.savez(folder / "no_x.npz", inputs=np.zeros((8, 2)), y=np.zeros(8, int))
+    (folder / "wrong_type.yaml").write_text("data:\n  batch_size: lots\n")
+    (folder / "unknown_key.yaml").write_text("train:\n  epohcs: 3\n")
+    return {"no_x": str(folder / "no_x.npz"), "wrong_type": str(folder / "wrong_type.yaml"),
+            "unknown_key": str(folder / "unknown_key.yaml")}
+
+
+CASES = {
+    "unknown data set": (["--data", "imagenet"], "unknown data set 'imagenet'"),
+    "unknown model": (["--model", "resnet9000"], "unknown model 'resnet9000'"),
+    "missing npz": (["--data", "absent.npz"], "data file 'absent.npz' does not exist"),
+    "npz without x": (["--data", "{no_x}"], "has no array 'x'"),
+    "factory does not import": (["--data", "nowhere.module:make"], "module 'nowhere' not found"),
+    "factory attribute missing": (["--model", "user_code:absent"], "has no attribute 'absent'"),
+    "unknown config key": (["--set", "train.epohcs=3"], "config key 'train.epohcs' does not exist: did you mean 'train.epochs'?"),
+    "unknown key in yaml": (["--config", "{unknown_key}"], "config key 'train.epohcs' does not exist"),
+    "wrong type in yaml": (["--config", "{wrong_type}"], "config key 'data.batch_size' must be an integer, got 'lots'"),
+    "wrong type flag": (["--batch-size", "many"], "Invalid value for '--batch-size': 'many' is not a valid integer"),
+    "batch size zero": (["--batch-size", "0"], "config key 'data.batch_size' must be at least 1, got 0"),
+    "missing config file": (["--config", "absent.yaml"], "config file 'absent.yaml' does not exist"),
+    "bad choice": (["--optimizer", "lamb"], "Invalid value for '--optimizer'"),
+    "batch larger than data": (["--data", "random", "--set", "data.samples=20", "--batch-size", "64"],
+                               "the training set has 16 samples, fewer than one optimizer step needs"),
+    "resume and overwrite": (["--resume", "--overwrite"], "exclude each other"),
+    "unknown flag": (["--epochz", "3"], "No such option '--epochz'. (Did you mean one of: '--epochs'"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_and_touches_nothing(case, existing_run, files, capsys):
+    args, message = CASES[case]
+    args = [a.format(**files) for a in args]
+    before = snapshot(existing_run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--engine", "local", "--progress", "off", "--run-dir", str(existing_run), "--overwrite", *args])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2
+    lines = [line for line in captured.err.splitlines() if line.strip() and not line.startswith("hvdtrain: rank")]
+    assert lines == [lines[0]] and lines[0].startswith("hvdtrain: error: "), captured.err
+    assert message in lines[0]
+    assert "Traceback" not in captured.err + captured.out
+    assert snapshot(existing_run) == before
+
+
+def test_existing_run_directory_is_not_clobbered(existing_run, capsys):
+    before = snapshot(existing_run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--engine", "local", "--run-dir", str(existing_run)])
+    assert exit_info.value.code == 2
+    assert "already holds a run: pass --resume to continue it, --overwrite" in capsys.readouterr().err
+    assert snapshot(existing_run) == before
+
+
+def test_resume_without_checkpoint(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--engine", "local", "--run-dir", str(tmp_path), "--resume"])
+    assert "nothing to resume in" in capsys.readouterr().err
+
+
+def test_checkpoint_of_another_model(existing_run, capsys):
+    before = snapshot(existing_run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--engine", "local", "--data", "random", "--set", "data.samples=256", "--set", "model.hidden=32",
+              "--epochs", "2", "--run-dir", str(existing_run), "--resume"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "does not fit this model" in err and "size mismatch" in err and "Traceback" not in err
+    assert snapshot(existing_run) == before
+
+
+def test_debug_shows_the_traceback(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--engine", "local", "--data", "imagenet", "--debug"])
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "hvdtrain: error: unknown data set" in err

@@ -1,0 +1,70 @@
+import pytest
+import yaml
+
+from hvdtrain.config import Config, describe, load_config, parse_assignment
+from hvdtrain.errors import UserError
+
+
+def test_defaults_validate():
+    config = Config()
+    assert config.data.name == "digits" and config.train.epochs >= 1
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  batch_size: 32\ntrain:\n  epochs: 3\n")
+    config = load_config(path, {"train.epochs": 5, "optim.lr": "0.2"})
+    assert config.data.batch_size == 32
+    assert config.train.epochs == 5
+    assert config.optim.lr == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"data.btch_size": 3}, "config key 'data.btch_size' does not exist: did you mean 'data.batch_size'?"),
+        ({"trian.epochs": 3}, "config key 'trian' does not exist: did you mean 'train'?"),
+        ({"data.batch_size": "many"}, "config key 'data.batch_size' must be an integer, got 'many'"),
+        ({"data.batch_size": 0}, "config key 'data.batch_size' must be at least 1, got 0"),
+        ({"optim.name": "lamb"}, "config key 'optim.name' must be one of sgd, adamw; got 'lamb'"),
+        ({"optim.scale_lr": "maybe"}, "config key 'optim.scale_lr' must be true or false"),
+        ({"optim.lr": -1}, "config key 'optim.lr' must be positive"),
+        ({"run.resume": True, "run.overwrite": True}, "exclude each other"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(UserError, match=message.replace("?", r"\?").replace("(", r"\(")):
+        Config.from_dict({}, overrides)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_config(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML at line"):
+        load_config(bad)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(UserError, match="must hold a mapping"):
+        load_config(listing)
+
+
+def test_set_assignments_parse_as_yaml():
+    assert parse_assignment("data.batch_size=32") == ("data.batch_size", 32)
+    assert parse_assignment("optim.clip_grad_norm=null") == ("optim.clip_grad_norm", None)
+    with pytest.raises(UserError, match="section.key=value"):
+        parse_assignment("batch_size")
+
+
+def test_describe_is_loadable_yaml_with_every_key_documented():
+    text = describe()
+    assert yaml.safe_load(text) == Config().to_dict()
+    comments = [line for line in text.splitlines() if line.strip().startswith("#")]
+    keys = [line for line in text.splitlines() if line.startswith("  ") and not line.strip().startswith("#")]
+    assert len(comments) >= len(keys)  # a docstring per field
+
+
+def test_saved_config_round_trips():
+    config = Config.from_dict({}, {"data.name": "random", "optim.clip_grad_norm": 1.5})
+    assert Config.from_dict(yaml.safe_load(yaml.safe_dump(config.to_dict()))) == config

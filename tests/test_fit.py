@@ -1,0 +1,83 @@
+"""`hvdtrain fit` in one process (the local engine): files, resume, accumulation."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT, assert_same_weights, final_weights
+from hvdtrain.cli import main
+
+RANDOM = ["--data", "random", "--set", "data.samples=512", "--set", "data.features=16",
+          "--progress", "off", "--engine", "local", "--threads", "1"]
+
+
+def fit(*args):
+    main(["fit", *RANDOM, *args])
+
+
+def test_run_directory_holds_what_the_readme_says(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    fit("--epochs", "3", "--run-dir", str(run_dir))
+    out = capsys.readouterr().out
+    assert "epoch 3/3" in out and f"results in {run_dir}/summary.json" in out
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["data"]["name"] == "random" and config["train"]["epochs"] == 3
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("world_size", "epochs", "steps", "val_acc", "val_loss", "train_samples_per_s", "wall_s"):
+        assert summary[key] is not None, key
+    assert summary["world_size"] == 1 and summary["steps"] == 3 * (410 // 64)
+    assert summary["val_acc"] > 0.5  # learnable synthetic data, well above 0.1 chance
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert {"model", "optimizer", "epoch", "step", "config"} <= state.keys() and state["epoch"] == 3
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "epoch-0001.pt", "epoch-0002.pt", "epoch-0003.pt", "last.pt"]
+
+
+def test_resume_ends_with_the_same_weights(tmp_path):
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    fit("--epochs", "4", "--run-dir", str(whole))
+    fit("--epochs", "2", "--run-dir", str(halves))
+    fit("--epochs", "4", "--run-dir", str(halves), "--resume")
+    assert_same_weights(final_weights(whole), final_weights(halves), atol=0.0)
+    epochs = [json.loads(line)["epoch"] for line in (halves / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == [1, 2, 3, 4]
+
+
+def test_accumulation_equals_a_larger_batch(tmp_path):
+    fit("--epochs", "2", "--batch-size", "8", "--accumulate", "4", "--no-scale-lr", "--run-dir", str(tmp_path / "a"))
+    fit("--epochs", "2", "--batch-size", "32", "--run-dir", str(tmp_path / "b"))
+    assert_same_weights(final_weights(tmp_path / "a"), final_weights(tmp_path / "b"), atol=1e-5)
+
+
+def test_adamw_clipping_and_cosine_train(tmp_path):
+    fit("--epochs", "2", "--optimizer", "adamw", "--lr", "0.01", "--clip-grad-norm", "0.5",
+        "--set", "optim.schedule=cosine", "--run-dir", str(tmp_path / "r"))
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["val_acc"] > 0.5
+
+
+def test_same_seed_same_run(tmp_path):
+    fit("--epochs", "2", "--seed", "7", "--run-dir", str(tmp_path / "a"))
+    fit("--epochs", "2", "--seed", "7", "--run-dir", str(tmp_path / "b"))
+    fit("--epochs", "2", "--seed", "8", "--run-dir", str(tmp_path / "c"))
+    assert_same_weights(final_weights(tmp_path / "a"), final_weights(tmp_path / "b"), atol=0.0)
+    with pytest.raises(AssertionError):
+        assert_same_weights(final_weights(tmp_path / "a"), final_weights(tmp_path / "c"), atol=0.0)
+
+
+def test_user_factories_train(tmp_path):
+    main(["fit", "--data", "user_code:blobs", "--model", "user_code:tiny_net", "--epochs", "3",
+          "--batch-size", "16", "--progress", "off", "--engine", "local", "--run-dir", str(tmp_path / "r")])
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["val_acc"] > 0.8
+
+
+def test_python_dash_m_and_config_command():
+    done = subprocess.run([sys.executable, "-m", "hvdtrain", "config"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0 and "batch_size: 64" in done.stdout
+    assert yaml.safe_load(done.stdout)["data"]["name"] == "digits"

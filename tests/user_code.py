@@ -1,0 +1,42 @@
+"""A user's own data set and model, as `tests.user_code:...` factories would be written."""
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+
+class Blobs(Dataset):
+    """A plain map-style Dataset, not a TensorDataset: it goes through a DataLoader."""
+
+    classes = ["a", "b", "c"]
+
+    def __init__(self, n: int = 300):
+        generator = torch.Generator().manual_seed(0)
+        self.y = torch.randint(0, 3, (n,), generator=generator)
+        self.x = torch.randn(n, 5, generator=generator) * 0.3 + self.y[:, None].float()
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+
+
+def blobs():
+    return Blobs()
+
+
+def blobs_split():
+    return Blobs(240), Blobs(60)
+
+
+def tiny_net(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], 16), nn.Tanh(), nn.Linear(16, num_classes))
+
+
+def not_a_model():
+    return 42
+
+
+def raises_on_import_of_missing():
+    import not_installed_anywhere  # noqa: F401
