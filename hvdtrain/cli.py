@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import click
 
@@ -77,6 +77,11 @@ def fit(config_path: str | None, assignments: Sequence[str], engine: str | None,
     run_engine = start_engine(config.train.engine, config.train.device, config.train.threads)
     try:
         run_fit(config, run_engine)
+    except Exception as err:
+        # Report before the engine shuts down: launchers stop the other ranks as soon
+        # as one exits, and rank 0 must have said why by then.
+        _report_and_exit(err, debug)
+        raise
     finally:
         run_engine.shutdown()
 
@@ -99,17 +104,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         _fail("interrupted", 130, debug)
     except click.ClickException as err:
         _fail(err.format_message(), 2, debug)
-    except UserError as err:
-        _fail(str(err), UserError.exit_code, debug)
     except Exception as err:
-        from hvdtrain.engine import RankFailed
-
-        if isinstance(err, RankFailed):
-            _fail(str(err), UserError.exit_code if err.kind == "UserError" else 1, debug)
+        _report_and_exit(err, debug)
         raise  # a bug or a machine failure: keep the traceback
 
 
-def _fail(message: str, code: int, debug: bool) -> None:
+def _report_and_exit(err: Exception, debug: bool) -> None:
+    """Exits with one line for a user error or another rank's failure; returns for anything else."""
+    from hvdtrain.engine import RankFailed
+
+    if isinstance(err, UserError):
+        _fail(str(err), UserError.exit_code, debug)
+    if isinstance(err, RankFailed):
+        _fail(str(err), UserError.exit_code if err.kind == "UserError" else 1, debug)
+
+
+def _fail(message: str, code: int, debug: bool) -> NoReturn:
     from hvdtrain.engine import launcher_rank
 
     if debug:

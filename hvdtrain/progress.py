@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from tqdm import tqdm
 
 
-def show_bar(mode: str) -> bool:
-    """`auto`: a bar only where someone watches (an interactive terminal)."""
-    return mode == "bar" or (mode == "auto" and sys.stderr.isatty())
+def bar_stream(mode: str) -> TextIO | None:
+    """Where rank 0's bar goes, or None for no bar.
+
+    `auto` shows it only where a person watches. Launchers pipe a rank's output, so
+    a terminal shows up elsewhere: mpirun gives rank 0 a pty as stdout, and
+    horovodrun leaves the user's terminal on stdin. Logs and CI get no bar.
+    """
+    if mode == "off":
+        return None
+    if mode == "bar" or sys.stderr.isatty() or _is_tty(0):
+        return sys.stderr
+    return sys.stdout if sys.stdout.isatty() else None
+
+
+def _is_tty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
 
 
 class EpochProgress:
@@ -20,10 +37,10 @@ class EpochProgress:
     # Reading the loss waits for the device; do it at most this often (in steps).
     LOSS_EVERY = 10
 
-    def __init__(self, enabled: bool, epoch: int, epochs: int, steps: int, first_step: int):
+    def __init__(self, stream: TextIO | None, epoch: int, epochs: int, steps: int, first_step: int):
         self.first_step = first_step
         self.bar = tqdm(total=steps, desc=f"epoch {epoch}/{epochs}", unit="step", leave=False,
-                        dynamic_ncols=True, file=sys.stderr) if enabled else None
+                        dynamic_ncols=True, file=stream) if stream is not None else None
 
     def step(self, step: int, loss: torch.Tensor) -> None:
         if self.bar is None:

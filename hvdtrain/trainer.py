@@ -26,7 +26,7 @@ from hvdtrain.engine import Engine, GradientSync
 from hvdtrain.errors import UserError
 from hvdtrain.loop import evaluate, train_epoch
 from hvdtrain.models import build_model
-from hvdtrain.progress import EpochProgress, epoch_line, say, show_bar
+from hvdtrain.progress import EpochProgress, bar_stream, epoch_line, say
 from hvdtrain.run_dir import RunFiles, prepare_run_dir
 from hvdtrain.sampler import EvalShardSampler, ShardedBatchSampler
 from hvdtrain.schedule import LearningRate
@@ -74,10 +74,11 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
     epochs = config.train.epochs
     record: dict[str, Any] = {}
     train_seconds, train_samples = 0.0, 0
+    stream = bar_stream(config.run.progress) if engine.is_root else None  # dist: rank 0 only
     for epoch in range(start_epoch + 1, epochs + 1):
         _seed(config.train.seed, epoch, engine.rank)
         run.train_sampler.set_epoch(epoch)  # dist: a new shuffle, the same on every rank
-        progress = EpochProgress(engine.is_root and show_bar(config.run.progress), epoch, epochs,
+        progress = EpochProgress(stream, epoch, epochs,
                                  len(run.train_sampler) // config.train.accumulate, step)
         epoch_start = time.perf_counter()
         train, step = train_epoch(

@@ -40,3 +40,13 @@ def not_a_model():
 
 def raises_on_import_of_missing():
     import not_installed_anywhere  # noqa: F401
+
+
+def fails_on_one_rank():
+    """Like a data file present on one host but not another: only rank 1 fails."""
+    import os
+
+    rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    if rank == 1:
+        raise FileNotFoundError("/data/shard-1 is missing on this host")
+    return Blobs()

@@ -1,0 +1,108 @@
+"""Real multi-process runs on the CPU: horovodrun (Gloo and MPI) and plain mpirun, 2 processes."""
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from conftest import LAUNCHERS, ROOT, assert_same_weights, final_weights, fit_under, requires_launchers, run
+
+pytestmark = [pytest.mark.multiprocess, requires_launchers, pytest.mark.timeout(300)]
+
+RANDOM = ["--data", "random", "--set", "data.samples=600", "--set", "data.features=12", "--threads", "1"]
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_fit_runs_under_each_launcher(launcher, tmp_path):
+    run_dir = tmp_path / "run"
+    done = fit_under(launcher, "--epochs", "2", "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["epochs"] == 2
+    assert summary["controller"] == ("gloo" if launcher == "horovodrun-gloo" else "mpi")
+    assert summary["val_acc"] > 0.85  # digits after 2 epochs
+    # Every rank logs its start line once; only rank 0 prints progress.
+    assert done.stderr.count("hvdtrain: rank 0/2 local_rank 0/2") == 1
+    assert done.stderr.count("hvdtrain: rank 1/2 local_rank 1/2") == 1
+    assert done.stdout.count("epoch 2/2") == 1
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+def test_every_rank_holds_identical_parameters_after_k_steps(launcher, tmp_path):
+    done = run([*LAUNCHERS[launcher], sys.executable, str(ROOT / "tests/workers/ranks_agree.py"), str(tmp_path), "5"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert rank0["size"] == rank1["size"] == 2
+    with pytest.raises(AssertionError):  # the ranks really started apart...
+        assert_same_weights(rank0["initial"], rank1["initial"], atol=0.0)
+    assert_same_weights(rank0["broadcast"], rank1["broadcast"], atol=0.0)  # ...until the broadcast
+    assert_same_weights(rank0["broadcast"], rank0["initial"], atol=0.0)  # rank 0's weights won
+    assert_same_weights(rank0["final"], rank1["final"], atol=0.0)  # and stay identical after 5 steps
+    with pytest.raises(AssertionError):
+        assert_same_weights(rank0["final"], rank0["broadcast"], atol=0.0)  # training moved them
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--clip-grad-norm", "0.05"], ["--optimizer", "adamw", "--lr", "0.01"]],
+    ids=["sgd", "clipped-after-allreduce", "adamw"],
+)
+def test_two_ranks_batch_b_equal_one_process_batch_2b(extra, tmp_path):
+    common = [*RANDOM, "--epochs", "2", "--no-scale-lr", "--warmup-epochs", "0", *extra]
+    two = fit_under("horovodrun-gloo", *common, "--batch-size", "8", "--run-dir", str(tmp_path / "two"))
+    one = fit_under(None, *common, "--batch-size", "16", "--run-dir", str(tmp_path / "one"))
+    assert two.returncode == 0 and one.returncode == 0, two.stderr[-2000:] + one.stderr[-2000:]
+    assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), atol=1e-5)
+
+
+def test_accumulation_under_horovod_equals_one_large_batch(tmp_path):
+    common = [*RANDOM, "--epochs", "2", "--no-scale-lr", "--warmup-epochs", "0"]
+    two = fit_under("horovodrun-gloo", *common, "--batch-size", "4", "--accumulate", "2", "--run-dir", str(tmp_path / "two"))
+    one = fit_under(None, *common, "--batch-size", "16", "--run-dir", str(tmp_path / "one"))
+    assert two.returncode == 0 and one.returncode == 0, two.stderr[-2000:] + one.stderr[-2000:]
+    assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), atol=1e-5)
+
+
+def test_resume_under_horovodrun_reaches_the_same_weights(tmp_path):
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    assert fit_under("horovodrun-gloo", *RANDOM, "--epochs", "4", "--run-dir", str(whole)).returncode == 0
+    assert fit_under("horovodrun-gloo", *RANDOM, "--epochs", "2", "--run-dir", str(halves)).returncode == 0
+    resumed = fit_under("horovodrun-gloo", *RANDOM, "--epochs", "4", "--run-dir", str(halves), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "epoch 3/4" in resumed.stdout and "epoch 1/4" not in resumed.stdout
+    assert_same_weights(final_weights(whole), final_weights(halves), atol=1e-6)
+
+
+BAD = {
+    "unknown data set": (["--data", "imagenet"], "unknown data set 'imagenet'"),
+    "wrong config type": (["--set", "data.batch_size=lots"], "config key 'data.batch_size' must be an integer"),
+    "factory does not import": (["--model", "nowhere.module:net"], "module 'nowhere' not found"),
+    "batch size zero": (["--batch-size", "0"], "must be at least 1, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_bad_input_under_each_launcher(launcher, case, tmp_path):
+    args, message = BAD[case]
+    existing = tmp_path / "existing"
+    shutil.copytree(ROOT / "tests", existing / "untouched")  # stands for a previous run's files
+    done = fit_under(launcher, *args, "--run-dir", str(existing), "--overwrite", timeout=90)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert output.count("hvdtrain: error:") == 1, output  # from rank 0 only
+    assert message in output
+    assert "Traceback" not in output
+    assert (existing / "untouched" / "conftest.py").read_text() == (ROOT / "tests/conftest.py").read_text()
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+def test_a_failure_on_one_rank_stops_all_with_its_cause(launcher, tmp_path):
+    done = fit_under(launcher, "--data", "user_code:fails_on_one_rank", "--run-dir", str(tmp_path / "r"), timeout=90)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert output.count("hvdtrain: error:") == 1, output
+    assert "rank 1 failed" in output and "/data/shard-1 is missing on this host" in output
+    assert "Traceback" not in output
