@@ -10,7 +10,7 @@ install:
 	VENV=$(VENV) bash launch/install.sh
 
 install-test:
-	VENV=$(VENV) bash launch/install.sh --extras test
+	VENV=$(VENV) bash launch/install.sh --extras test,bench
 
 ## make demo: train the built-in digits model on 2 processes with horovodrun.
 demo: install
@@ -23,6 +23,10 @@ test: install-test
 ## make test-fast: the in-process tests only.
 test-fast: install-test
 	python -m pytest -ra -m "not multiprocess"
+
+## make bench: hvdtrain fit against a hand-written Horovod loop, torchrun DDP and one process.
+bench: install-test
+	python benchmarks/run.py
 
 clean:
 	rm -rf runs .pytest_cache

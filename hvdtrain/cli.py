@@ -86,6 +86,117 @@ def fit(config_path: str | None, assignments: Sequence[str], engine: str | None,
         run_engine.shutdown()
 
 
+@cli.group()
+def bench() -> None:
+    """Measure: allreduce bandwidth, training throughput, sampler cost."""
+
+
+def _engine_for_bench(device: str = "auto", threads: int = 0):
+    from hvdtrain.engine import start_engine
+
+    return start_engine("auto", device, threads)
+
+
+def _write_json(path: str | None, payload: Any) -> None:
+    if path:
+        import json
+        from pathlib import Path
+
+        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+@bench.command("allreduce")
+@click.option("--min-bytes", type=int, default=4 << 10, show_default=True)
+@click.option("--max-bytes", type=int, default=256 << 20, show_default=True)
+@click.option("--iterations", type=int, default=5, show_default=True, help="Timed allreduces per size.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write bandwidth against size to this PNG.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the rows as JSON.")
+def bench_allreduce(min_bytes: int, max_bytes: int, iterations: int, plot: str | None, json_path: str | None) -> None:
+    """Allreduce time, algorithm and bus bandwidth from 4 KB to 256 MB (run under a launcher)."""
+    from hvdtrain.bench import allreduce
+    from hvdtrain.bench.stats import plot as draw
+
+    if not 4 <= min_bytes <= max_bytes:
+        raise UserError(f"--min-bytes must be at least 4 and at most --max-bytes, got {min_bytes} and {max_bytes}")
+    engine = _engine_for_bench()
+    try:
+        rows = allreduce.run(engine, min_bytes, max_bytes, iterations)
+        if engine.is_root:  # dist: rank 0 reports
+            click.echo(allreduce.table(rows, engine))
+            _write_json(json_path, {"world_size": engine.size, "controller": engine.controller, "rows": rows})
+            if plot:
+                draw(plot, [r["bytes"] for r in rows], {"algbw": [r["algbw_GBps"] for r in rows],
+                                                         "busbw": [r["busbw_GBps"] for r in rows]},
+                     xlabel="message size (bytes)", ylabel="GB/s", logx=True,
+                     title=f"allreduce, {engine.size} processes, {engine.controller}")
+    finally:
+        engine.shutdown()
+
+
+@bench.command("train")
+@click.option("--model", default="cnn", show_default=True, help="mlp, cnn or package.module:function.")
+@click.option("--hidden", type=int, default=32, show_default=True, help="Width of the built-in models.")
+@click.option("--input-shape", default="3,32,32", show_default=True, help="Synthetic input shape, comma-separated.")
+@click.option("--classes", type=int, default=10, show_default=True)
+@click.option("--batch-size", type=int, default=64, show_default=True, help="Per process.")
+@click.option("--warmup", type=int, default=5, show_default=True, help="Untimed steps first.")
+@click.option("--steps", type=int, default=10, show_default=True, help="Steps per timed round.")
+@click.option("--repeats", type=int, default=5, show_default=True, help="Timed rounds.")
+@click.option("--scaling", is_flag=True, help="Also time one process alone and report the scaling efficiency.")
+@click.option("--compression", type=click.Choice(["none", "fp16"]), default="none", show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--threads", type=int, default=0, help="Torch threads per process (0: cores / local processes).")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write samples/s per round to this PNG.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the result as JSON.")
+def bench_train(model: str, hidden: int, input_shape: str, classes: int, batch_size: int, warmup: int, steps: int,
+                repeats: int, scaling: bool, compression: str, device: str, threads: int, plot: str | None,
+                json_path: str | None) -> None:
+    """Training samples/s on synthetic data, per process and in total."""
+    from hvdtrain.bench import train
+    from hvdtrain.bench.stats import plot as draw
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.models import build_model
+
+    try:
+        shape = tuple(int(part) for part in input_shape.split(","))
+    except ValueError:
+        raise UserError(f"--input-shape must be integers separated by commas, e.g. 3,32,32; got '{input_shape}'") from None
+    for name, value in (("--batch-size", batch_size), ("--steps", steps), ("--repeats", repeats), ("--classes", classes - 1)):
+        if value < 1:
+            raise UserError(f"{name} must be at least {2 if name == '--classes' else 1}")
+    net = build_model(ModelConfig(name=model, hidden=hidden), shape, classes)
+    engine = _engine_for_bench(device, threads)
+    try:
+        result = train.run(engine, net, shape, classes, batch_size=batch_size, warmup=warmup, steps=steps,
+                           repeats=repeats, scaling=scaling, compression=compression)
+        if engine.is_root:
+            click.echo(train.describe(result))
+            _write_json(json_path, result)
+            if plot:
+                bars = {"total": [result["samples_per_s_total"]]}
+                if scaling:
+                    bars["ideal (N x one process)"] = [engine.size * result["single_process_samples_per_s"]]
+                draw(plot, [engine.size], bars, xlabel="processes", ylabel="samples/s",
+                     title=f"training throughput, batch {batch_size} per process")
+    finally:
+        engine.shutdown()
+
+
+@bench.command("sampler")
+@click.option("--size", type=int, default=10**8, show_default=True, help="Samples in the data set.")
+@click.option("--world-size", type=int, default=8, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the rows as JSON.")
+def bench_sampler(size: int, world_size: int, json_path: str | None) -> None:
+    """Time to the first index and extra memory: hvdtrain's sampler against DistributedSampler."""
+    from hvdtrain.bench import sampler
+
+    if size < 1 or world_size < 1 or world_size > size:
+        raise UserError(f"need 1 <= --world-size <= --size, got --size {size} --world-size {world_size}")
+    rows = [sampler.measure(kind, size, world_size) for kind in sampler.SAMPLERS]
+    click.echo(sampler.table(rows, size, world_size))
+    _write_json(json_path, {"size": size, "world_size": world_size, "rows": rows})
+
+
 @cli.command("config")
 def show_config() -> None:
     """Print every config key with its default and meaning, as YAML."""

@@ -34,8 +34,7 @@ class FeistelPermutation:
         bits += bits % 2  # two equal halves
         self._half_bits = np.uint64(bits // 2)
         self._half_mask = np.uint64((1 << (bits // 2)) - 1)
-        keys = np.random.SeedSequence([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, 0x5EED]).generate_state(_ROUNDS, np.uint64)
-        self._keys = [np.uint64(k) for k in keys]
+        self._keys = [np.uint64(_splitmix64((seed << 32) ^ (epoch << 8) ^ round_)) for round_ in range(_ROUNDS)]
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         values = positions.astype(np.uint64)
@@ -53,6 +52,14 @@ class FeistelPermutation:
         for key in self._keys:
             left, right = right, left ^ (_mix(right ^ key) & self._half_mask)
         return (left << self._half_bits) | right
+
+
+def _splitmix64(x: int) -> int:
+    """One step of splitmix64 on a Python int: distinct (seed, epoch, round) give unrelated keys."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,1 @@
+"""`hvdtrain bench`: allreduce bandwidth, training throughput, sampler cost."""
