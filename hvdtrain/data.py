@@ -137,13 +137,21 @@ def _from_factory(cfg: DataConfig, seed: int) -> DataSplit:
 
 
 def _num_classes(*datasets: Dataset) -> int | None:
+    """From a `num_classes` or `classes` attribute, else from integer labels held in memory."""
+    labels = []
     for dataset in datasets:
         base = getattr(dataset, "dataset", dataset)  # through a Subset
         if hasattr(base, "num_classes"):
             return int(base.num_classes)
         if hasattr(base, "classes"):
             return len(base.classes)
-    return None
+        held = base.tensors[1] if isinstance(base, TensorDataset) and len(base.tensors) > 1 else getattr(base, "targets", None)
+        if held is not None:
+            held = torch.as_tensor(held)
+            if held.dtype.is_floating_point or held.numel() == 0:
+                return None
+            labels.append(int(held.max()))
+    return max(labels) + 1 if labels else None
 
 
 # --- splitting -----------------------------------------------------------------

@@ -62,6 +62,10 @@ def test_user_dataset_and_model_factories_work_unchanged():
     assert model(x).shape == (8, 3) and y.shape == (8,)
 
 
+def test_factory_of_tensor_datasets_counts_classes_from_labels():
+    assert build_data(DataConfig(name="user_code:tensors"), seed=0).num_classes == 2
+
+
 def test_factory_returning_a_pair():
     split = build_data(DataConfig(name="user_code:blobs_split"), seed=0)
     assert (len(split.train), len(split.val)) == (240, 60)

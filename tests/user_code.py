@@ -50,3 +50,11 @@ def fails_on_one_rank():
     if rank == 1:
         raise FileNotFoundError("/data/shard-1 is missing on this host")
     return Blobs()
+
+
+def tensors():
+    """A factory returning plain TensorDatasets: the class count comes from the labels."""
+    from torch.utils.data import TensorDataset
+
+    x = torch.randn(100, 4)
+    return TensorDataset(x[:80], (x[:80, 0] > 0).long()), TensorDataset(x[80:], (x[80:, 0] > 0).long())

@@ -1,0 +1,71 @@
+"""The bench commands' output, run for real (small sizes)."""
+
+import json
+
+import pytest
+
+from conftest import LAUNCHERS, requires_launchers, run
+from hvdtrain.bench.allreduce import sizes
+from hvdtrain.bench.stats import mean_ci95
+
+
+def test_sizes_sweep_by_four():
+    assert sizes(4 << 10, 256 << 20) == [4 << 10 << (2 * i) for i in range(9)]
+
+
+def test_mean_ci95():
+    mean, half = mean_ci95([10.0, 12.0, 14.0])
+    assert mean == 12.0 and half == pytest.approx(1.96 * 2.0 / 3 ** 0.5)
+
+
+def test_bench_sampler_reports_both_samplers(tmp_path):
+    done = run(["hvdtrain", "bench", "sampler", "--size", "100000", "--world-size", "4", "--json", str(tmp_path / "s.json")])
+    assert done.returncode == 0, done.stderr
+    assert "hvdtrain.sampler.ShardedBatchSampler" in done.stdout and "torch.utils.data.DistributedSampler" in done.stdout
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [r["sampler"] for r in rows] == ["hvdtrain", "torch"]
+    assert all(r["first_index_ms"] >= 0 and "extra_peak_MB" in r for r in rows)
+
+
+def test_bench_train_alone(tmp_path):
+    done = run(["hvdtrain", "bench", "train", "--model", "mlp", "--input-shape", "32", "--batch-size", "16",
+                "--warmup", "1", "--steps", "3", "--repeats", "3", "--json", str(tmp_path / "t.json")])
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert result["world_size"] == 1 and result["samples_per_s_total"] > 0 and result["ci95"] >= 0
+    assert "samples/s (95% CI)" in done.stdout
+
+
+def test_bench_rejects_bad_input():
+    done = run(["hvdtrain", "bench", "train", "--input-shape", "3,x"])
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "hvdtrain: error: --input-shape must be integers separated by commas, e.g. 3,32,32; got '3,x'")
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_bench_allreduce_under_horovodrun(tmp_path):
+    done = run([*LAUNCHERS["horovodrun-gloo"], "hvdtrain", "bench", "allreduce", "--max-bytes", str(1 << 20),
+                "--json", str(tmp_path / "a.json"), "--plot", str(tmp_path / "a.png")])
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "a.json").read_text())
+    assert result["world_size"] == 2 and [r["bytes"] for r in result["rows"]] == sizes(4 << 10, 1 << 20)
+    for row in result["rows"]:  # bus bandwidth = algorithm bandwidth x 2(n-1)/n, n = 2
+        assert row["time_us"] > 0 and row["busbw_GBps"] == pytest.approx(row["algbw_GBps"])
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert done.stdout.count("busbw (GB/s)") == 1  # rank 0 only
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_bench_train_scaling_under_horovodrun(tmp_path):
+    done = run([*LAUNCHERS["horovodrun-gloo"], "hvdtrain", "bench", "train", "--model", "mlp", "--input-shape", "32",
+                "--batch-size", "16", "--warmup", "1", "--steps", "3", "--repeats", "2", "--scaling",
+                "--json", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png")])
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert result["world_size"] == 2
+    assert result["samples_per_s_total"] == pytest.approx(2 * result["samples_per_s_per_process"])
+    assert result["scaling_efficiency"] == pytest.approx(
+        result["samples_per_s_total"] / (2 * result["single_process_samples_per_s"]))
+    assert (tmp_path / "t.png").exists()
