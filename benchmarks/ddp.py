@@ -5,15 +5,13 @@
 
 import json
 import sys
-import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from benchmarks.jobs import BATCH, small_cnn, synthetic
+from benchmarks.jobs import BATCH, small_cnn, synthetic, timed_epochs
 
 epochs = int(sys.argv[1])
 dist.init_process_group("gloo")
@@ -26,19 +24,7 @@ loader = DataLoader(train, batch_size=BATCH, sampler=sampler)
 model = DistributedDataParallel(small_cnn())
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size, momentum=0.9)
 
-timed_samples, timed_seconds = 0, 0.0
-for epoch in range(epochs):
-    sampler.set_epoch(epoch)
-    model.train()
-    start = time.perf_counter()
-    for x, y in loader:
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-    seconds = time.perf_counter() - start
-    if epoch > 0:
-        timed_samples += len(loader) * BATCH * size
-        timed_seconds += seconds
+rate = timed_epochs(model, optimizer, loader, epochs, len(loader) * BATCH * size, sampler)
 if rank == 0:
-    print(json.dumps({"samples_per_s": timed_samples / timed_seconds}))
+    print(json.dumps({"samples_per_s": rate}))
 dist.destroy_process_group()

@@ -5,14 +5,12 @@
 
 import json
 import sys
-import time
 
 import horovod.torch as hvd
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from benchmarks.jobs import BATCH, small_cnn, synthetic
+from benchmarks.jobs import BATCH, small_cnn, synthetic, timed_epochs
 
 epochs = int(sys.argv[1])
 hvd.init()
@@ -27,18 +25,6 @@ optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_par
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-timed_samples, timed_seconds = 0, 0.0
-for epoch in range(epochs):
-    sampler.set_epoch(epoch)
-    model.train()
-    start = time.perf_counter()
-    for x, y in loader:
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-    seconds = time.perf_counter() - start
-    if epoch > 0:  # epoch 0 warms up
-        timed_samples += len(loader) * BATCH * hvd.size()
-        timed_seconds += seconds
+rate = timed_epochs(model, optimizer, loader, epochs, len(loader) * BATCH * hvd.size(), sampler)
 if hvd.rank() == 0:
-    print(json.dumps({"samples_per_s": timed_samples / timed_seconds}))
+    print(json.dumps({"samples_per_s": rate}))

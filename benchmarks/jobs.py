@@ -29,3 +29,25 @@ def synthetic():
     x = torch.randn(TRAIN_SAMPLES + 512, 1, 28, 28, generator=generator)
     y = (x[:, 0, :14].mean(dim=(1, 2)) * 40).long().clamp(-5, 4) + 5
     return TensorDataset(x[:TRAIN_SAMPLES], y[:TRAIN_SAMPLES]), TensorDataset(x[TRAIN_SAMPLES:], y[TRAIN_SAMPLES:])
+
+
+def timed_epochs(model, optimizer, loader, epochs, samples_per_epoch, sampler=None):
+    """The peers' common loop: samples/s over every epoch but the first (warm-up)."""
+    import time
+
+    import torch.nn.functional as F
+
+    timed_samples, timed_seconds = 0, 0.0
+    for epoch in range(epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        model.train()
+        start = time.perf_counter()
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        if epoch > 0:
+            timed_seconds += time.perf_counter() - start
+            timed_samples += samples_per_epoch
+    return timed_samples / timed_seconds
