@@ -22,7 +22,8 @@ FIT_FLAGS = {
     "warmup_epochs": "optim.warmup_epochs", "clip_grad_norm": "optim.clip_grad_norm",
     "epochs": "train.epochs", "seed": "train.seed", "accumulate": "train.accumulate",
     "compression": "train.compression", "adasum": "train.adasum", "device": "train.device",
-    "threads": "train.threads", "run_dir": "run.dir", "resume": "run.resume",
+    "threads": "train.threads", "precision": "train.precision", "channels_last": "train.channels_last",
+    "compile": "train.compile", "num_workers": "data.num_workers", "run_dir": "run.dir", "resume": "run.resume",
     "overwrite": "run.overwrite", "progress": "run.progress",
 }
 
@@ -55,6 +56,10 @@ def cli() -> None:
 @click.option("--seed", type=int)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--threads", type=int, help="Torch threads per process (0: cores / local processes).")
+@click.option("--precision", type=click.Choice(["32", "bf16", "fp16"]), help="fp16 adds a gradient scaler.")
+@click.option("--channels-last", is_flag=True, default=None, help="Channels-last memory format for conv models.")
+@click.option("--compile", is_flag=True, default=None, help="torch.compile the model.")
+@click.option("--num-workers", type=int, help="DataLoader workers per process (-1: choose).")
 @click.option("--run-dir", help="Run directory (default runs/fit-<date>-<time>).")
 @click.option("--resume", is_flag=True, default=None, help="Continue from the newest checkpoint in --run-dir.")
 @click.option("--overwrite", is_flag=True, default=None, help="Start afresh in an existing --run-dir.")
@@ -144,13 +149,15 @@ def bench_allreduce(min_bytes: int, max_bytes: int, iterations: int, plot: str |
 @click.option("--repeats", type=int, default=5, show_default=True, help="Timed rounds.")
 @click.option("--scaling", is_flag=True, help="Also time one process alone and report the scaling efficiency.")
 @click.option("--compression", type=click.Choice(["none", "fp16"]), default="none", show_default=True)
+@click.option("--precision", type=click.Choice(["32", "bf16", "fp16"]), default="32", show_default=True)
+@click.option("--channels-last", is_flag=True, help="Channels-last memory format for 4-d inputs.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--threads", type=int, default=0, help="Torch threads per process (0: cores / local processes).")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write samples/s per round to this PNG.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the result as JSON.")
 def bench_train(model: str, hidden: int, input_shape: str, classes: int, batch_size: int, warmup: int, steps: int,
-                repeats: int, scaling: bool, compression: str, device: str, threads: int, plot: str | None,
-                json_path: str | None) -> None:
+                repeats: int, scaling: bool, compression: str, precision: str, channels_last: bool, device: str,
+                threads: int, plot: str | None, json_path: str | None) -> None:
     """Training samples/s on synthetic data, per process and in total."""
     from hvdtrain.bench import train
     from hvdtrain.bench.stats import plot as draw
@@ -168,7 +175,8 @@ def bench_train(model: str, hidden: int, input_shape: str, classes: int, batch_s
     engine = _engine_for_bench(device, threads)
     try:
         result = train.run(engine, net, shape, classes, batch_size=batch_size, warmup=warmup, steps=steps,
-                           repeats=repeats, scaling=scaling, compression=compression)
+                           repeats=repeats, scaling=scaling, compression=compression, precision=precision,
+                           channels_last=channels_last)
         if engine.is_root:
             click.echo(train.describe(result))
             _write_json(json_path, result)

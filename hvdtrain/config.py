@@ -30,8 +30,9 @@ class DataConfig:
     """Samples per process per step. dist: the global batch is batch_size x world size x train.accumulate."""
     val_fraction: float = 0.2
     """Share of a single data set held out for validation (ignored when the source gives a (train, val) pair)."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank (0 loads in the training process)."""
+    num_workers: int = -1
+    """DataLoader worker processes per rank; -1 chooses: none for data held in tensors or
+    on the CPU, else up to 4 per GPU process from the cores it has."""
     samples: int = 4096
     """`random` only: number of samples."""
     features: int = 64
@@ -43,7 +44,7 @@ class DataConfig:
         _require(self.name.strip() != "", "data.name", "must name a data set, e.g. digits")
         _require(self.batch_size >= 1, "data.batch_size", f"must be at least 1, got {self.batch_size}")
         _require(0.0 < self.val_fraction < 1.0, "data.val_fraction", f"must be between 0 and 1, got {self.val_fraction}")
-        _require(self.num_workers >= 0, "data.num_workers", f"must be 0 or more, got {self.num_workers}")
+        _require(self.num_workers >= -1, "data.num_workers", f"must be -1 (auto) or more, got {self.num_workers}")
         _require(self.samples >= 2, "data.samples", f"must be at least 2, got {self.samples}")
         _require(self.features >= 1, "data.features", f"must be at least 1, got {self.features}")
         _require(self.classes >= 2, "data.classes", f"must be at least 2, got {self.classes}")
@@ -103,7 +104,13 @@ class TrainConfig:
     adasum: bool = False
     """dist: combine gradients with Adasum instead of averaging (needs the MPI controller)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """`auto` uses cuda:<local rank> when GPUs are visible, else the CPU."""
+    """dist: `auto` uses cuda:<local rank> (among the visible GPUs) when there are GPUs, else the CPU."""
+    precision: Literal["32", "bf16", "fp16"] = "32"
+    """`bf16`: autocast to bfloat16; `fp16`: autocast to float16 with a gradient scaler; `32`: float32."""
+    channels_last: bool = False
+    """Convolutional models: keep weights and 4-d inputs in channels-last memory format."""
+    compile: bool = False
+    """Compile the model with torch.compile (slower start, often faster steps)."""
     threads: int = 0
     """dist: torch threads per process; 0 divides this host's cores among its local processes."""
     engine: Literal["auto", "horovod", "local"] = "auto"
@@ -257,6 +264,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
             return None
         return _coerce(value, next(a for a in args if a is not type(None)), key)
     if origin is Literal:
+        if value not in args and str(value) in args:  # `precision: 32` in YAML is an int
+            value = str(value)
         if value not in args:
             raise UserError(f"config key '{key}' must be one of {', '.join(map(str, args))}; got {value!r}")
         return value

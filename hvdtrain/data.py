@@ -6,6 +6,7 @@ in tensors takes a faster path that gathers a whole batch with one index operati
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -15,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from hvdtrain.config import DataConfig
+from hvdtrain.engine import Engine
 from hvdtrain.errors import UserError
 from hvdtrain.factory import call_factory, is_factory_path
 
@@ -47,6 +49,17 @@ def build_data(cfg: DataConfig, seed: int) -> DataSplit:
         f"unknown data set '{cfg.name}': use one of {', '.join(BUILT_IN)}, a path to an .npz file, "
         "or package.module:function"
     )
+
+
+def data_workers(requested: int, dataset: Dataset, engine: Engine) -> int:
+    """DataLoader workers per process: as asked, or a choice that keeps the cores for compute."""
+    if requested >= 0:
+        return requested
+    if isinstance(dataset, TensorDataset) or engine.device.type != "cuda":
+        return 0  # in memory or CPU training: workers would only take cores from the compute
+    # dist: the host's cores are shared by its local processes; leave one for the main thread.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(4, cores // engine.local_size - 1))
 
 
 def batches(dataset: Dataset, sampler: Sampler[list[int]], num_workers: int, pin_memory: bool) -> Iterable:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hvdtrain.engine import Engine
+from hvdtrain.precision import FP32, Precision
 
 
 @dataclass
@@ -25,42 +26,46 @@ class EpochResult:
 
 
 def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engine,
-                    clip_grad_norm: Optional[float]) -> None:
+                    clip_grad_norm: Optional[float], precision: Precision | None = None) -> None:
     """One optimizer step on gradients combined over all ranks.
 
-    Horovod's order: wait for the allreduce, then touch the gradients (clip them
-    here; a gradient scaler would unscale them here), then step without a second
-    allreduce. Clipping before `synchronize` would clip each rank's local gradient.
+    Horovod's order: wait for the allreduce, then touch the gradients (unscale and
+    clip them), then step without a second allreduce. Clipping or unscaling before
+    `synchronize` would act on each rank's local gradient.
     """
+    precision = precision or Precision(FP32, engine.device)
     engine.synchronize(optimizer)  # dist: gradients are now the average over ranks
+    precision.unscale(optimizer)
     if clip_grad_norm is not None:
         nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
     with engine.skip_synchronize(optimizer):
-        optimizer.step()
+        precision.step(optimizer)
     optimizer.zero_grad()  # set_to_none by default; Horovod's override takes no arguments
 
 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engine, batches: Iterable,
                 *, first_step: int, learning_rate: Callable[[int], float], accumulate: int = 1,
-                clip_grad_norm: Optional[float] = None,
+                clip_grad_norm: Optional[float] = None, precision: Precision | None = None,
+                channels_last: bool = False,
                 on_step: Callable[[int, torch.Tensor], None] | None = None) -> tuple[EpochResult, int]:
     """Trains on every batch; returns the epoch's reduced loss and the next step number."""
     model.train()
     device = engine.device
+    precision = precision or Precision(FP32, device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     samples = 0
     step = first_step
     for index, (inputs, targets) in enumerate(batches):
-        inputs = inputs.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        loss = F.cross_entropy(model(inputs), targets)
-        (loss / accumulate).backward()  # dist: Horovod allreduces after `accumulate` passes
+        inputs, targets = to_device(inputs, targets, device, channels_last)
+        with precision.autocast():
+            loss = F.cross_entropy(model(inputs), targets)
+        precision.backward(loss / accumulate)  # dist: Horovod allreduces after `accumulate` passes
         loss_sum += loss.detach() * len(targets)
         samples += len(targets)
         if (index + 1) % accumulate == 0:
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step)
-            apply_gradients(model, optimizer, engine, clip_grad_norm)
+            apply_gradients(model, optimizer, engine, clip_grad_norm, precision)
             step += 1
             if on_step is not None:
                 on_step(step, loss.detach())
@@ -77,18 +82,29 @@ class EvalResult:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, engine: Engine, batches: Iterable) -> EvalResult:
+def evaluate(model: nn.Module, engine: Engine, batches: Iterable, precision: Precision | None = None,
+             channels_last: bool = False) -> EvalResult:
     """Loss and accuracy over every validation sample, each counted once across ranks."""
     model.eval()
     device = engine.device
+    precision = precision or Precision(FP32, device)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for inputs, targets in batches:
-        inputs = inputs.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        logits = model(inputs)
-        totals[0] += F.cross_entropy(logits, targets, reduction="sum")
+        inputs, targets = to_device(inputs, targets, device, channels_last)
+        with precision.autocast():
+            logits = model(inputs)
+        totals[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == targets).sum()
         totals[2] += len(targets)
     totals = engine.allreduce_sum(totals.cpu(), "eval")  # dist: sums, so the mean is exact
     count = int(totals[2])
     return EvalResult(float(totals[0]) / max(1, count), float(totals[1]) / max(1, count), count)
+
+
+def to_device(inputs: torch.Tensor, targets: torch.Tensor, device: torch.device,
+              channels_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asynchronous copies (the batches come from pinned memory on GPUs)."""
+    inputs = inputs.to(device, non_blocking=True)
+    if channels_last and inputs.dim() == 4:
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    return inputs, targets.to(device, non_blocking=True)

@@ -21,11 +21,12 @@ from torch import nn
 
 from hvdtrain.checkpoint import CheckpointStore
 from hvdtrain.config import Config
-from hvdtrain.data import DataSplit, batches, build_data
+from hvdtrain.data import DataSplit, batches, build_data, data_workers
 from hvdtrain.engine import Engine, GradientSync
 from hvdtrain.errors import UserError
 from hvdtrain.loop import evaluate, train_epoch
 from hvdtrain.models import build_model
+from hvdtrain.precision import Precision
 from hvdtrain.progress import EpochProgress, bar_stream, epoch_line, say
 from hvdtrain.run_dir import RunFiles, prepare_run_dir
 from hvdtrain.sampler import EvalShardSampler, ShardedBatchSampler
@@ -42,6 +43,7 @@ class Run:
     train_batches: Any
     val_batches: Any
     learning_rate: LearningRate
+    precision: Precision
     run_dir: Path | None  # rank 0 only
 
 
@@ -84,11 +86,12 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
         train, step = train_epoch(
             run.model, run.optimizer, engine, run.train_batches,
             first_step=step, learning_rate=run.learning_rate, accumulate=config.train.accumulate,
-            clip_grad_norm=config.optim.clip_grad_norm, on_step=progress.step,
+            clip_grad_norm=config.optim.clip_grad_norm, precision=run.precision,
+            channels_last=config.train.channels_last, on_step=progress.step,
         )
         seconds = time.perf_counter() - epoch_start
         progress.close()
-        val = evaluate(run.model, engine, run.val_batches)
+        val = evaluate(run.model, engine, run.val_batches, run.precision, config.train.channels_last)
         train_seconds += seconds
         train_samples += train.samples
         record = {
@@ -127,6 +130,8 @@ def _build(config: Config, engine: Engine) -> Run:
     torch.manual_seed(config.train.seed)  # the same initial weights everywhere, broadcast anyway
     split: DataSplit = build_data(config.data, config.train.seed)
     model = build_model(config.model, split.input_shape, split.num_classes).to(engine.device)
+    if config.train.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     batch = config.data.batch_size
     accumulate = config.train.accumulate
     # dist: each rank takes its slice of every global batch; the same count on every rank.
@@ -139,7 +144,8 @@ def _build(config: Config, engine: Engine) -> Run:
             "lower --batch-size or --accumulate, or use fewer processes"
         )
     val_sampler = EvalShardSampler(len(split.val), batch, engine.rank, engine.size)
-    pin = engine.device.type == "cuda"
+    pin = engine.device.type == "cuda"  # pinned host memory lets copies to the GPU overlap compute
+    workers = data_workers(config.data.num_workers, split.train, engine)
     optimizer = engine.wrap_optimizer(
         _make_optimizer(config, model), model,
         GradientSync(accumulate, config.train.compression, config.train.adasum),
@@ -149,10 +155,12 @@ def _build(config: Config, engine: Engine) -> Run:
         steps_per_epoch=len(train_sampler) // accumulate, epochs=config.train.epochs,
     )
     run_dir = prepare_run_dir(config.run) if engine.is_root else None  # dist: rank 0 only
-    return Run(model, optimizer, train_sampler,
-               batches(split.train, train_sampler, config.data.num_workers, pin),
-               batches(split.val, val_sampler, config.data.num_workers, pin),
-               learning_rate, run_dir)
+    # Compiled after wrapping: Horovod's hooks sit on the parameters, which compiling keeps.
+    forward = torch.compile(model) if config.train.compile else model
+    return Run(forward, optimizer, train_sampler,
+               batches(split.train, train_sampler, workers, pin),
+               batches(split.val, val_sampler, workers, pin),
+               learning_rate, Precision(config.train.precision, engine.device), run_dir)
 
 
 def _make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
@@ -170,7 +178,7 @@ def _restore(config: Config, engine: Engine, run: Run, run_dir: Path) -> tuple[i
     assert path is not None  # prepare_run_dir checked
     state = CheckpointStore.load(path)
     try:
-        run.model.load_state_dict(state["model"])
+        _unwrapped(run.model).load_state_dict(state["model"])
     except RuntimeError as err:
         raise UserError(f"checkpoint '{path}' does not fit this model: {_first_line(err)}; "
                         "resume with the model settings it was written with") from err
@@ -179,19 +187,26 @@ def _restore(config: Config, engine: Engine, run: Run, run_dir: Path) -> tuple[i
     except (ValueError, KeyError) as err:
         raise UserError(f"checkpoint '{path}' has optimizer state that does not fit optim.name "
                         f"'{config.optim.name}': {err}") from err
+    run.precision.load_state_dict(state.get("scaler", {}))
     say(f"hvdtrain: resuming from {path} (epoch {state['epoch']}, step {state['step']})")
     return int(state["epoch"]), int(state["step"])
 
 
 def _checkpoint_state(run: Run, config: Config, engine: Engine, epoch: int, step: int) -> dict[str, Any]:
     return {
-        "model": run.model.state_dict(),
+        "model": _unwrapped(run.model).state_dict(),
         "optimizer": run.optimizer.state_dict(),
         "epoch": epoch,
         "step": step,
         "world_size": engine.size,
+        "scaler": run.precision.state_dict(),
         "config": config.to_dict(),
     }
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module itself, without torch.compile's wrapper (checkpoints keep plain names)."""
+    return getattr(model, "_orig_mod", model)
 
 
 def _seed(seed: int, epoch: int, rank: int) -> None:

@@ -91,6 +91,8 @@ if ! horovod_ok; then
   if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
     say "building Horovod $horovod_version for $flavour (a few minutes, once)"
     mkdir -p "$wheel_dir" "$cache/build"
+    # pip's own wheel cache is bypassed (--no-cache-dir): it keys builds by the sdist, not
+    # by the torch they were compiled against; this cache is keyed by both.
     # Horovod 0.28.1 pins -std=c++14; torch >= 2.1 headers need C++17. A compiler
     # wrapper raises the standard without patching Horovod's sources.
     wrapper="$cache/build/cxx17"
@@ -114,7 +116,7 @@ SH
     if [ "$with_mpi" = 1 ]; then build_env+=(HOROVOD_WITH_MPI=1); else build_env+=(HOROVOD_WITHOUT_MPI=1); fi
     if [ "$gpu" = 1 ]; then build_env+=(HOROVOD_GPU_OPERATIONS=NCCL); fi
     env "${build_env[@]}" "$py" -m pip --disable-pip-version-check wheel \
-      --no-build-isolation --no-deps --no-binary horovod \
+      --no-build-isolation --no-deps --no-binary horovod --no-cache-dir \
       -w "$wheel_dir" "horovod==$horovod_version" >"$cache/build/horovod-build.log" 2>&1 || {
         tail -n 40 "$cache/build/horovod-build.log" >&2
         echo "install.sh: the Horovod build failed; full log: $cache/build/horovod-build.log" >&2

@@ -19,13 +19,19 @@ from torch import nn
 from hvdtrain.bench.stats import mean_ci95
 from hvdtrain.engine import Engine, GradientSync
 from hvdtrain.loop import apply_gradients
+from hvdtrain.precision import FP32, Precision
 
 
 def _round_rates(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engine, inputs: torch.Tensor,
-                 targets: torch.Tensor, warmup: int, steps: int, repeats: int) -> list[float]:
-    def step() -> None:
-        F.cross_entropy(model(inputs), targets).backward()
-        apply_gradients(model, optimizer, engine, clip_grad_norm=None)
+                 targets: torch.Tensor, warmup: int, steps: int, repeats: int,
+                 precision_mode: str = FP32) -> list[float]:
+    precision = Precision(precision_mode, engine.device)
+
+    def step() -> None:  # the same calls as hvdtrain.loop.train_epoch makes per step
+        with precision.autocast():
+            loss = F.cross_entropy(model(inputs), targets)
+        precision.backward(loss)
+        apply_gradients(model, optimizer, engine, clip_grad_norm=None, precision=precision)
 
     model.train()
     for _ in range(warmup):
@@ -43,30 +49,35 @@ def _round_rates(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Eng
 
 def run(engine: Engine, model: nn.Module, input_shape: tuple[int, ...], num_classes: int, *, batch_size: int,
         warmup: int = 5, steps: int = 10, repeats: int = 5, scaling: bool = False,
-        compression: str = "none") -> dict[str, Any]:
+        compression: str = "none", precision: str = FP32, channels_last: bool = False) -> dict[str, Any]:
     model = model.to(engine.device)
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(batch_size, *input_shape, generator=generator).to(engine.device)
+    if channels_last and inputs.dim() == 4:
+        model = model.to(memory_format=torch.channels_last)
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
     targets = torch.randint(0, num_classes, (batch_size,), generator=generator).to(engine.device)
     engine.broadcast_parameters(model)
     optimizer = engine.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), model,
                                       GradientSync(compression=compression))
-    rates = _round_rates(model, optimizer, engine, inputs, targets, warmup, steps, repeats)
+    rates = _round_rates(model, optimizer, engine, inputs, targets, warmup, steps, repeats, precision)
     # dist: every rank's rounds, so the interval covers all processes.
     everyone = [r for ranks in engine.allgather_object(rates, "bench.train.rates") for r in ranks]
     per_process, ci = mean_ci95(everyone)
     result: dict[str, Any] = {
-        "world_size": engine.size, "batch_size": batch_size, "device": str(engine.device),
+        "world_size": engine.size, "batch_size": batch_size, "device": _device_name(engine.device),
+        "precision": precision,
         "parameters": sum(p.numel() for p in model.parameters()), "threads": torch.get_num_threads(),
         "samples_per_s_per_process": per_process, "ci95": ci, "samples_per_s_total": per_process * engine.size,
     }
     if scaling:
-        result.update(_scaling(engine, model, inputs, targets, warmup, steps, repeats, result["samples_per_s_total"]))
+        result.update(_scaling(engine, model, inputs, targets, warmup, steps, repeats, result["samples_per_s_total"],
+                               precision))
     return result
 
 
 def _scaling(engine: Engine, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, warmup: int,
-             steps: int, repeats: int, total: float) -> dict[str, Any]:
+             steps: int, repeats: int, total: float, precision: str) -> dict[str, Any]:
     from hvdtrain.engine import LocalEngine
 
     single = None
@@ -75,9 +86,13 @@ def _scaling(engine: Engine, model: nn.Module, inputs: torch.Tensor, targets: to
         alone_model = copy.deepcopy(model)
         plain = torch.optim.SGD(alone_model.parameters(), lr=0.01, momentum=0.9)
         single = mean_ci95(_round_rates(alone_model, plain, LocalEngine(engine.device), inputs, targets,
-                                        warmup, steps, repeats))[0]
+                                        warmup, steps, repeats, precision))[0]
     single = engine.broadcast_object(single, "bench.train.single")  # others wait here
     return {"single_process_samples_per_s": single, "scaling_efficiency": total / (engine.size * single)}
+
+
+def _device_name(device: torch.device) -> str:
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
 def _sync(device: torch.device) -> None:
@@ -87,7 +102,8 @@ def _sync(device: torch.device) -> None:
 
 def describe(result: dict[str, Any]) -> str:
     text = (f"train: {result['parameters']:,} parameters, batch {result['batch_size']} per process, "
-            f"{result['world_size']} processes x {result['threads']} threads on {result['device']}\n"
+            f"{result['world_size']} processes x {result['threads']} threads on {result['device']}, "
+            f"precision {result['precision']}\n"
             f"  per process: {result['samples_per_s_per_process']:,.1f} +- {result['ci95']:,.1f} samples/s (95% CI)\n"
             f"  total:       {result['samples_per_s_total']:,.1f} samples/s")
     if "scaling_efficiency" in result:

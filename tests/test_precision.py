@@ -1,0 +1,114 @@
+"""Precision modes and device choice: what runs on the CPU here; the GPU parts are marked `gpu`."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import LAUNCHERS, assert_same_weights, final_weights, requires_launchers, run
+from hvdtrain.cli import main
+from hvdtrain.config import Config
+from hvdtrain.engine import LocalEngine, _pick_device
+from hvdtrain.errors import UserError
+from hvdtrain.loop import apply_gradients
+from hvdtrain.precision import Precision
+
+CPU = torch.device("cpu")
+
+
+def _fit(tmp_path, *args):
+    main(["fit", "--data", "random", "--set", "data.samples=512", "--set", "data.features=16", "--epochs", "3",
+          "--progress", "off", "--engine", "local", "--device", "cpu", "--run-dir", str(tmp_path), *args])
+    return json.loads((tmp_path / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_low_precision_trains_on_cpu(mode, tmp_path):
+    assert _fit(tmp_path, "--precision", mode)["val_acc"] > 0.6
+
+
+def test_fp16_checkpoint_keeps_the_scaler_and_resumes(tmp_path):
+    _fit(tmp_path / "r", "--precision", "fp16", "--epochs", "1")
+    state = torch.load(tmp_path / "r" / "checkpoints" / "last.pt", weights_only=True)
+    assert state["scaler"]["scale"] > 0
+    _fit(tmp_path / "r", "--precision", "fp16", "--resume")
+
+
+def test_bf16_autocast_runs_the_forward_in_bf16():
+    model = nn.Linear(4, 2)
+    with Precision("bf16", CPU).autocast():
+        assert model(torch.randn(3, 4)).dtype == torch.bfloat16
+    with Precision("32", CPU).autocast():
+        assert model(torch.randn(3, 4)).dtype == torch.float32
+
+
+def test_fp16_scaler_skips_a_step_whose_gradients_overflowed():
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision = Precision("fp16", CPU)
+    before = [p.detach().clone() for p in model.parameters()]
+    scale = precision.scaler.get_scale()
+    precision.backward(model(torch.randn(3, 4)).sum())
+    model.weight.grad[0, 0] = float("inf")  # as after an allreduce that carried one rank's overflow
+    apply_gradients(model, optimizer, LocalEngine(CPU), clip_grad_norm=1.0, precision=precision)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # step skipped
+    assert precision.scaler.get_scale() < scale  # and the scale backed off
+    precision.backward(model(torch.randn(3, 4)).sum())
+    apply_gradients(model, optimizer, LocalEngine(CPU), clip_grad_norm=1.0, precision=precision)
+    assert not torch.equal(before[0], model.weight)  # a finite step goes through
+
+
+def test_precision_from_yaml_number():
+    assert Config.from_dict({"train": {"precision": 32}}).train.precision == "32"
+
+
+def test_channels_last_and_compile_give_the_same_weights(tmp_path):
+    common = ["--model", "cnn", "--data", "digits", "--set", "model.hidden=8", "--epochs", "1"]
+    _fit(tmp_path / "plain", *common)
+    _fit(tmp_path / "fast", *common, "--channels-last", "--compile")
+    assert_same_weights(final_weights(tmp_path / "plain"), final_weights(tmp_path / "fast"), atol=1e-4)
+
+
+def test_cuda_without_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="no GPU is visible: use --device cpu"):
+        _pick_device("cuda", 0, 1)
+
+
+def test_more_local_processes_than_gpus_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(UserError, match="4 processes on this host but only 2 visible GPU"):
+        _pick_device("cuda", 3, 4)
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_fp16_under_horovodrun(tmp_path):
+    done = run([*LAUNCHERS["horovodrun-gloo"], "hvdtrain", "fit", "--precision", "fp16", "--epochs", "3",
+                "--progress", "off", "--run-dir", str(tmp_path / "r")])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["val_acc"] > 0.9
+
+
+@pytest.mark.gpu
+def test_each_process_uses_its_local_gpu(tmp_path):
+    done = run(["hvdtrain", "fit", "--device", "cuda", "--precision", "bf16", "--epochs", "2", "--progress", "off",
+                "--run-dir", str(tmp_path / "r")])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "device cuda:0" in done.stderr
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["device"] == "cuda:0"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["32", "bf16", "fp16"])
+def test_gpu_precisions_train(mode, tmp_path):
+    summary = _gpu_fit(tmp_path, mode)
+    assert summary["val_acc"] > 0.9
+
+
+def _gpu_fit(tmp_path, mode):
+    main(["fit", "--device", "cuda", "--precision", mode, "--model", "cnn", "--channels-last", "--epochs", "5",
+          "--progress", "off", "--engine", "local", "--run-dir", str(tmp_path)])
+    return json.loads((tmp_path / "summary.json").read_text())
