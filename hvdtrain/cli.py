@@ -205,6 +205,45 @@ def bench_sampler(size: int, world_size: int, json_path: str | None) -> None:
     _write_json(json_path, {"size": size, "world_size": world_size, "rows": rows})
 
 
+@cli.command()
+@click.option("--np", "planned", type=int, default=1, show_default=True,
+              help="Alone: the local processes you plan to start (for the GPU and thread plan).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every rank's facts as JSON.")
+def doctor(planned: int, device: str, json_path: str | None) -> None:
+    """Report versions, Horovod's build, MPI, GPUs and threads; exit 1 with a fix if a launch would fail."""
+    from hvdtrain import doctor as checks
+    from hvdtrain.engine import launcher_rank
+
+    if planned < 1:
+        raise UserError(f"--np must be at least 1, got {planned}")
+    if launcher_rank() is None:
+        reports = [checks.report(0, 0, planned, planned, launched=False)]
+    else:  # dist: every rank reports; rank 0 prints them in order
+        from hvdtrain.engine.horovod import HorovodEngine
+
+        HorovodEngine.init()
+        engine = HorovodEngine.start(torch_device("cpu"))
+        try:
+            mine = checks.report(engine.rank, engine.local_rank, engine.size, engine.local_size, launched=True)
+            reports = engine.allgather_object(mine, "doctor")
+        finally:
+            engine.shutdown()
+        if (launcher_rank() or 0) != 0:
+            return
+    found = [checks.problems(r, device) for r in reports]
+    click.echo("\n".join(checks.render(r, f) for r, f in zip(reports, found)))
+    _write_json(json_path, [{**r, "problems": f} for r, f in zip(reports, found)])
+    if any(found):
+        sys.exit(1)
+
+
+def torch_device(name: str):
+    import torch
+
+    return torch.device(name)
+
+
 @cli.command("config")
 def show_config() -> None:
     """Print every config key with its default and meaning, as YAML."""
