@@ -3,7 +3,10 @@
 # Used by `make demo`, `make test` (and so CI) and both Docker images, so the steps
 # a user runs are the steps that are tested.
 #
-#   launch/install.sh [--venv DIR] [--extras test] [--gpu]
+#   launch/install.sh [--venv DIR] [--extras test,bench] [--gpu]
+#
+# Environment: PYTHON (interpreter for the venv), TORCH_SPEC (default torch==2.13.0),
+# HVDTRAIN_CACHE (wheel cache, default ~/.cache/hvdtrain).
 #
 # Steps: a virtual environment; torch; OpenMPI from Debian when `mpicxx` is missing
 # and we are root; Horovod 0.28.1 built with PyTorch, Gloo and MPI (and NCCL with
@@ -19,12 +22,10 @@ python="${PYTHON:-python3.11}"
 torch_spec="${TORCH_SPEC:-torch==2.13.0}"
 horovod_version="0.28.1"
 cache="${HVDTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}"
-use_venv=1
 
 while [ $# -gt 0 ]; do
   case "$1" in
     --venv) venv="$2"; shift 2 ;;
-    --system) use_venv=0; shift ;;  # Docker images install into the image's Python
     --extras) extras="$2"; shift 2 ;;
     --gpu) gpu=1; shift ;;
     *) echo "install.sh: unknown option '$1' (see the header of $0)" >&2; exit 2 ;;
@@ -34,17 +35,13 @@ done
 say() { printf '[install] %s\n' "$*"; }
 
 # 1. Python environment.
-if [ "$use_venv" = 1 ]; then
-  command -v "$python" >/dev/null || python=python3
-  if [ ! -x "$venv/bin/python" ]; then
-    say "creating virtual environment $venv"
-    "$python" -m venv "$venv"
-  fi
-  export PATH="$venv/bin:$PATH"
-  py="$venv/bin/python"
-else
-  py=$(command -v python3)
+command -v "$python" >/dev/null || python=python3
+if [ ! -x "$venv/bin/python" ]; then
+  say "creating virtual environment $venv"
+  "$python" -m venv "$venv"
 fi
+export PATH="$venv/bin:$PATH"
+py="$venv/bin/python"
 pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
 
 # 2. torch (the CPU build is on this machine's disk; elsewhere pip fetches it).
@@ -142,7 +139,8 @@ chmod +x "$bin_dir/horovodrun"
 
 # 5. hvdtrain itself (editable) and mpi4py when MPI is there.
 spec="$here"
-[ -n "$extras" ] && spec="$here[$extras]"
-[ "$with_mpi" = 1 ] && mpi4py=mpi4py || mpi4py=
-pip install -e "$spec" $mpi4py
+[ -n "$extras" ] && spec="${here}[${extras}]"
+packages=(-e "$spec")
+[ "$with_mpi" = 1 ] && packages+=(mpi4py)
+pip install "${packages[@]}"
 say "ready: $("$py" -c 'import torch, horovod; print(f"torch {torch.__version__}, horovod {horovod.__version__}")')"

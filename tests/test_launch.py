@@ -1,0 +1,69 @@
+"""Cluster files: the Dockerfiles and launch scripts lint clean, and the scripts really launch."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import BIN, ROOT, launch_env, requires_launchers, run
+
+SCRIPTS = sorted([*ROOT.glob("launch/*.sh"), ROOT / "launch" / "slurm.sbatch", ROOT / ".ci" / "run"])
+DOCKERFILES = [ROOT / "docker" / "Dockerfile", ROOT / "docker" / "Dockerfile.cpu"]
+
+
+def test_dockerfiles_pass_hadolint():
+    done = subprocess.run([str(BIN / "hadolint"), "--config", str(ROOT / "docker/.hadolint.yaml"), *map(str, DOCKERFILES)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_pass_shellcheck(script):
+    done = subprocess.run([str(BIN / "shellcheck"), str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_install_through_the_shared_script(dockerfile):
+    text = dockerfile.read_text()
+    assert "bash launch/install.sh --venv /opt/venv" in text  # what make test (and so CI) runs
+    assert "horovodrun --check-build" in text and "hvd.init()" in text
+
+
+def test_mpijob_manifest_launches_hvdtrain():
+    job = yaml.safe_load((ROOT / "launch/k8s/mpijob.yaml").read_text())
+    assert job["kind"] == "MPIJob" and job["apiVersion"] == "kubeflow.org/v2beta1"
+    replicas = job["spec"]["mpiReplicaSpecs"]
+    command = replicas["Launcher"]["template"]["spec"]["containers"][0]["command"]
+    assert command[0] == "mpirun" and command[command.index("hvdtrain") + 1] == "fit"
+    slots = job["spec"]["slotsPerWorker"] * replicas["Worker"]["replicas"]
+    assert command[command.index("-np") + 1] == str(slots)
+    assert replicas["Worker"]["template"]["spec"]["containers"][0]["command"][0] == "/usr/sbin/sshd"
+
+
+def test_hostfile_example_matches_horovodrun_format():
+    lines = [line for line in (ROOT / "launch/hostfile.example").read_text().splitlines() if line and not line.startswith("#")]
+    assert lines and all(len(line.split()) == 2 and line.split()[1].startswith("slots=") for line in lines)
+
+
+def _launch(script: str, env_extra: dict, tmp_path: Path):
+    env = {**launch_env(), **env_extra}
+    done = subprocess.run(["bash", str(ROOT / "launch" / script), "--epochs", "1", "--progress", "off",
+                           "--run-dir", str(tmp_path / "r")], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads((tmp_path / "r" / "summary.json").read_text())
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+@pytest.mark.parametrize("script, env", [
+    ("run-local.sh", {"NP": "2"}),
+    ("run-hosts.sh", {"HOSTS": "localhost:2"}),
+    ("run-mpirun.sh", {"NP": "2", "OVERSUBSCRIBE": "1"}),
+])
+def test_launch_scripts_pass_arguments_to_fit(script, env, tmp_path):
+    summary = _launch(script, env, tmp_path)
+    assert summary["world_size"] == 2 and summary["epochs"] == 1
