@@ -64,6 +64,12 @@ if ! command -v mpicxx >/dev/null; then
     with_mpi=0
   fi
 fi
+# SSH: horovodrun reaches other hosts through it (sshd runs on each worker host).
+if [ ! -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  say "installing OpenSSH from Debian"
+  apt-get install -y -qq --no-install-recommends openssh-client openssh-server >/dev/null \
+    || { apt-get update -qq && apt-get install -y -qq --no-install-recommends openssh-client openssh-server >/dev/null; }
+fi
 if ! command -v cmake >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   # Debian's cmake 3.25: the cmake 4.x wheel rejects Horovod's bundled gloo.
   apt-get install -y -qq --no-install-recommends cmake >/dev/null
