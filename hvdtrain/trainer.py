@@ -44,6 +44,7 @@ class Run:
     val_batches: Any
     learning_rate: LearningRate
     precision: Precision
+    val_size: int
     run_dir: Path | None  # rank 0 only
 
 
@@ -55,6 +56,8 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
 
     with engine.agree("setup"):  # dist: a failure on any rank stops all of them here
         run = _build(config, engine)
+    with engine.agree("data"):
+        _check_same_data(engine, run)
     run_dir = Path(engine.broadcast_object(str(run.run_dir) if engine.is_root else None, "run_dir"))
 
     with engine.agree("resume"):
@@ -160,7 +163,22 @@ def _build(config: Config, engine: Engine) -> Run:
     return Run(forward, optimizer, train_sampler,
                batches(split.train, train_sampler, workers, pin),
                batches(split.val, val_sampler, workers, pin),
-               learning_rate, Precision(config.train.precision, engine.device), run_dir)
+               learning_rate, Precision(config.train.precision, engine.device), len(split.val), run_dir)
+
+
+def _check_same_data(engine: Engine, run: Run) -> None:
+    """Every rank must see the same data set, or ranks would wait on each other forever.
+
+    Each rank builds the data itself (a factory may read per-host files); the batch
+    counts follow from the sizes, and a rank with more batches would wait in an
+    allreduce that the others never join.
+    """
+    mine = (len(run.train_sampler), run.train_sampler.n, run.val_size)
+    everyone = engine.allgather_object(mine, "data_sizes")  # dist
+    if len(set(everyone)) > 1:
+        listed = ", ".join(f"rank {r}: {train} train / {val} val" for r, (_, train, val) in enumerate(everyone))
+        raise UserError(f"ranks built data sets of different sizes ({listed}): every rank must build the same "
+                        "data set; hvdtrain shards it by rank itself, so do not shard it in your factory")
 
 
 def _make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:

@@ -106,3 +106,14 @@ def test_a_failure_on_one_rank_stops_all_with_its_cause(launcher, tmp_path):
     assert output.count("hvdtrain: error:") == 1, output
     assert "rank 1 failed" in output and "/data/shard-1 is missing on this host" in output
     assert "Traceback" not in output
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+def test_ranks_with_different_data_stop_clearly_instead_of_hanging(launcher, tmp_path):
+    # Rank 0 would see 6 batches and rank 1 12: without the check, rank 1 waits forever.
+    done = fit_under(launcher, "--data", "user_code:uneven_by_rank", "--batch-size", "16",
+                     "--run-dir", str(tmp_path / "r"), timeout=60)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert output.count("hvdtrain: error:") == 1 and "Traceback" not in output
+    assert "ranks built data sets of different sizes (rank 0: 200 train / 40 val, rank 1: 400 train / 40 val)" in output

@@ -58,3 +58,11 @@ def tensors():
 
     x = torch.randn(100, 4)
     return TensorDataset(x[:80], (x[:80, 0] > 0).long()), TensorDataset(x[80:], (x[80:, 0] > 0).long())
+
+
+def uneven_by_rank():
+    """Rank 1 sees more data than rank 0 (a per-host shard of another size): batch counts differ."""
+    import os
+
+    rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    return Blobs(200 + 200 * rank), Blobs(40)
