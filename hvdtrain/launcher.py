@@ -8,6 +8,7 @@ one-line error; here that report is one line too, and the exit status is the wor
 from __future__ import annotations
 
 import re
+import signal
 import sys
 
 
@@ -20,9 +21,25 @@ def horovodrun() -> None:
         message = " ".join(str(err).split())
         if "exited with non-zero status" not in message:
             raise
-        code = re.search(r"Exit code: (-?\d+)", message)
-        print(f"horovodrun: {message}", file=sys.stderr, flush=True)
-        sys.exit(int(code.group(1)) if code and int(code.group(1)) > 0 else 1)
+        found = re.search(r"Process name: (\S+) Exit code: (-?\d+)", message)
+        if found is None:
+            print(f"horovodrun: {message}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        worker, code = found.group(1), int(found.group(2))
+        print(f"horovodrun: worker {worker} {_describe_exit(code)}; the other workers were stopped",
+              file=sys.stderr, flush=True)
+        sys.exit(code if code > 0 else 1)
+
+
+def _describe_exit(code: int) -> str:
+    """`exited with status 2`, or the signal a shell's 128+N status stands for."""
+    number = code - 128 if code > 128 else -code if code < 0 else 0
+    if number:
+        try:
+            return f"was killed by {signal.Signals(number).name} (exit status {code})"
+        except ValueError:
+            pass
+    return f"exited with status {code}"
 
 
 if __name__ == "__main__":

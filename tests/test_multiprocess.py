@@ -117,3 +117,49 @@ def test_ranks_with_different_data_stop_clearly_instead_of_hanging(launcher, tmp
     assert done.returncode == 2, output
     assert output.count("hvdtrain: error:") == 1 and "Traceback" not in output
     assert "ranks built data sets of different sizes (rank 0: 200 train / 40 val, rank 1: 400 train / 40 val)" in output
+
+
+def _ranks_of(run_dir):
+    """The training processes of a run (not its launcher)."""
+    from pathlib import Path
+
+    import psutil
+
+    # A rank runs the hvdtrain script itself (`python .../bin/hvdtrain fit ...`); launchers
+    # and the `sh -c` wrappers Horovod's Gloo launcher puts around ranks do not.
+    return [p for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] and str(run_dir) in " ".join(p.info["cmdline"])
+            and "hvdtrain" in {Path(part).name for part in p.info["cmdline"][:2]}]
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+def test_a_killed_rank_stops_the_job_and_resume_finishes_it(launcher, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from conftest import launch_env
+
+    args = [*RANDOM, "--set", "data.samples=60000", "--epochs", "4", "--progress", "off"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert fit_under("horovodrun-gloo", *args, "--run-dir", str(whole)).returncode == 0
+    job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *args, "--run-dir", str(killed)],
+                           env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (killed / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ranks = _ranks_of(killed)
+    assert len(ranks) == 2 and job.poll() is None, "the run should be mid-training"
+    os.kill(ranks[-1].pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    output, _ = job.communicate(timeout=30)  # everything must end within 30 s
+    assert time.monotonic() - killed_at < 30
+    assert job.returncode != 0
+    assert "SIGKILL" in output or "signal 9" in output or "exit code: 137" in output.lower(), output[-2000:]
+    time.sleep(0.5)
+    assert _ranks_of(killed) == []  # no process left behind
+    torch.load(killed / "checkpoints" / "last.pt", weights_only=True)  # the newest checkpoint is whole
+    resumed = fit_under(launcher, *args, "--run-dir", str(killed), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(final_weights(whole), final_weights(killed), atol=1e-6)
