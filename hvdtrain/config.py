@@ -132,11 +132,16 @@ class RunConfig:
     """Start afresh in an existing run directory, deleting what it holds."""
     checkpoint_every: int = 1
     """Write a checkpoint every this many epochs (the last epoch always gets one)."""
+    keep_last: int = 3
+    """Keep this many newest checkpoints (and the best one as well)."""
+    best_metric: Literal["val_acc", "val_loss"] = "val_acc"
+    """Which checkpoint is kept as best.pt: highest val_acc or lowest val_loss."""
     progress: Literal["auto", "bar", "off"] = "auto"
     """Rank 0's progress bar: `auto` shows it when the terminal is interactive."""
 
     def __post_init__(self) -> None:
         _require(self.checkpoint_every >= 1, "run.checkpoint_every", f"must be at least 1, got {self.checkpoint_every}")
+        _require(self.keep_last >= 1, "run.keep_last", f"must be at least 1, got {self.keep_last}")
         _require(not (self.resume and self.overwrite), "run.resume", "and run.overwrite exclude each other: pick one")
 
 

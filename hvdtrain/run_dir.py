@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from hvdtrain.checkpoint import CheckpointStore, atomic_write
+from hvdtrain.checkpoint import atomic_write
 from hvdtrain.config import RunConfig
 from hvdtrain.errors import UserError
 
@@ -32,8 +32,8 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
         raise UserError(f"run directory '{path}' is a file: choose another --run-dir")
     has_content = path.is_dir() and any(path.iterdir())
     if cfg.resume:
-        if CheckpointStore(path).latest() is None:
-            raise UserError(f"nothing to resume in '{path}': it has no checkpoints/last.pt; drop --resume to start a new run")
+        if not any((path / "checkpoints").glob("epoch-*.pt")):
+            raise UserError(f"nothing to resume in '{path}': it has no checkpoints; drop --resume to start a new run")
         return path
     if has_content:
         if not cfg.overwrite:

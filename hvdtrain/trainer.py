@@ -75,7 +75,7 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
             f"global batch {run.train_sampler.global_batch * config.train.accumulate}, "
             f"{len(run.train_sampler)} batches per rank per epoch)")
 
-    store = CheckpointStore(run_dir)
+    store = CheckpointStore(run_dir, config.run.keep_last, config.run.best_metric)
     epochs = config.train.epochs
     record: dict[str, Any] = {}
     train_seconds, train_samples = 0.0, 0
@@ -108,7 +108,8 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
             files.append_metrics(record)
             say(epoch_line(record))
             if epoch % config.run.checkpoint_every == 0 or epoch == epochs:
-                store.save(_checkpoint_state(run, config, engine, epoch, step), epoch)
+                store.save(_checkpoint_state(run, config, engine, epoch, step), epoch,
+                           {"val_acc": val.accuracy, "val_loss": val.loss})
 
     summary = {
         "world_size": engine.size, "epochs": epochs, "steps": step,
@@ -192,8 +193,10 @@ def _restore(config: Config, engine: Engine, run: Run, run_dir: Path) -> tuple[i
     """On rank 0: loads the newest checkpoint when resuming. Returns (epoch done, step)."""
     if not (config.run.resume and engine.is_root):
         return 0, 0
-    path = CheckpointStore(run_dir).latest()
-    assert path is not None  # prepare_run_dir checked
+    path = CheckpointStore(run_dir).latest_valid(warn=lambda message: say(f"hvdtrain: warning: {message}"))
+    if path is None:
+        raise UserError(f"no intact checkpoint to resume in '{run_dir}/checkpoints': every one is corrupt or "
+                        "missing; start a new run with --overwrite or another --run-dir")
     state = CheckpointStore.load(path)
     try:
         _unwrapped(run.model).load_state_dict(state["model"])

@@ -36,7 +36,7 @@ def test_run_directory_holds_what_the_readme_says(tmp_path, capsys):
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert {"model", "optimizer", "epoch", "step", "config"} <= state.keys() and state["epoch"] == 3
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "epoch-0001.pt", "epoch-0002.pt", "epoch-0003.pt", "last.pt"]
+        "best.pt", "epoch-0001.pt", "epoch-0002.pt", "epoch-0003.pt", "last.pt", "manifest.json"]
 
 
 def test_resume_ends_with_the_same_weights(tmp_path):
