@@ -23,7 +23,7 @@ FIT_FLAGS = {
     "epochs": "train.epochs", "seed": "train.seed", "accumulate": "train.accumulate",
     "compression": "train.compression", "adasum": "train.adasum", "device": "train.device",
     "threads": "train.threads", "precision": "train.precision", "channels_last": "train.channels_last",
-    "compile": "train.compile", "num_workers": "data.num_workers", "run_dir": "run.dir", "resume": "run.resume",
+    "compile": "train.compile", "nonfinite": "train.nonfinite", "num_workers": "data.num_workers", "run_dir": "run.dir", "resume": "run.resume",
     "overwrite": "run.overwrite", "progress": "run.progress",
 }
 
@@ -60,6 +60,7 @@ def cli() -> None:
 @click.option("--channels-last", is_flag=True, default=None, help="Channels-last memory format for conv models.")
 @click.option("--compile", is_flag=True, default=None, help="torch.compile the model.")
 @click.option("--num-workers", type=int, help="DataLoader workers per process (-1: choose).")
+@click.option("--nonfinite", type=click.Choice(["error", "skip"]), help="On a NaN/Inf loss: stop, or skip the step.")
 @click.option("--run-dir", help="Run directory (default runs/fit-<date>-<time>).")
 @click.option("--resume", is_flag=True, default=None, help="Continue from the newest checkpoint in --run-dir.")
 @click.option("--overwrite", is_flag=True, default=None, help="Start afresh in an existing --run-dir.")
@@ -79,7 +80,8 @@ def fit(config_path: str | None, assignments: Sequence[str], engine: str | None,
     from hvdtrain.engine import start_engine  # torch and horovod load only when training
     from hvdtrain.trainer import fit as run_fit
 
-    run_engine = start_engine(config.train.engine, config.train.device, config.train.threads)
+    run_engine = start_engine(config.train.engine, config.train.device, config.train.threads,
+                              config.train.stall_timeout)
     try:
         run_fit(config, run_engine)
     except Exception as err:
@@ -269,19 +271,27 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _report_and_exit(err: Exception, debug: bool) -> None:
     """Exits with one line for a user error or another rank's failure; returns for anything else."""
-    from hvdtrain.engine import RankFailed
+    from hvdtrain.engine import RankFailed, launcher_rank
 
     if isinstance(err, UserError):
-        _fail(str(err), UserError.exit_code, debug)
+        _fail(str(err), err.exit_code, debug)
     if isinstance(err, RankFailed):
         _fail(str(err), UserError.exit_code if err.kind == "UserError" else 1, debug)
+    from hvdtrain.engine.horovod import is_collective_failure
+
+    if is_collective_failure(err):
+        # Not only rank 0: the rank that sees it says so (the others may be gone already).
+        rank = launcher_rank() or 0
+        first = str(err).split(". ")[0]
+        _fail(f"rank {rank}: the job stopped in a collective: {first} (the lines above name the cause)", 1,
+              debug, every_rank=True)
 
 
-def _fail(message: str, code: int, debug: bool) -> NoReturn:
+def _fail(message: str, code: int, debug: bool, every_rank: bool = False) -> NoReturn:
     from hvdtrain.engine import launcher_rank
 
     if debug:
         traceback.print_exc()
-    if (launcher_rank() or 0) == 0:  # dist: one line from rank 0, not one per rank
+    if every_rank or (launcher_rank() or 0) == 0:  # dist: one line from rank 0, not one per rank
         click.echo(f"hvdtrain: error: {message}", err=True)
     sys.exit(code)

@@ -113,6 +113,12 @@ class TrainConfig:
     """Compile the model with torch.compile (slower start, often faster steps)."""
     threads: int = 0
     """dist: torch threads per process; 0 divides this host's cores among its local processes."""
+    nonfinite: Literal["error", "skip"] = "error"
+    """A NaN or Inf loss on any rank: `error` stops every rank at that step (checkpoints kept);
+    `skip` drops that step's update on every rank and goes on. With fp16 the gradient scaler skips."""
+    stall_timeout: int = 300
+    """dist: seconds a collective may wait for missing ranks before the job stops, naming them
+    (Horovod's stall inspector, which runs under the MPI controller; 0 switches it off)."""
     engine: Literal["auto", "horovod", "local"] = "auto"
     """`auto`: Horovod when started by horovodrun or mpirun, else one local process."""
 
@@ -120,6 +126,7 @@ class TrainConfig:
         _require(self.epochs >= 1, "train.epochs", f"must be at least 1, got {self.epochs}")
         _require(self.accumulate >= 1, "train.accumulate", f"must be at least 1, got {self.accumulate}")
         _require(self.threads >= 0, "train.threads", f"must be 0 (auto) or more, got {self.threads}")
+        _require(self.stall_timeout >= 0, "train.stall_timeout", f"must be 0 (off) or more, got {self.stall_timeout}")
 
 
 @dataclass

@@ -9,3 +9,9 @@ class UserError(Exception):
     """Bad input: the message says what is wrong and how to fix it."""
 
     exit_code = 2
+
+
+class TrainingStopped(UserError):
+    """Training cannot go on (a non-finite loss, say): one line, exit status 1, checkpoints kept."""
+
+    exit_code = 1

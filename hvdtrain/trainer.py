@@ -90,7 +90,7 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
             run.model, run.optimizer, engine, run.train_batches,
             first_step=step, learning_rate=run.learning_rate, accumulate=config.train.accumulate,
             clip_grad_norm=config.optim.clip_grad_norm, precision=run.precision,
-            channels_last=config.train.channels_last, on_step=progress.step,
+            channels_last=config.train.channels_last, nonfinite=config.train.nonfinite, on_step=progress.step,
         )
         seconds = time.perf_counter() - epoch_start
         progress.close()
@@ -100,7 +100,7 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
         record = {
             "epoch": epoch, "epochs": epochs, "step": step,
             "train_loss": train.loss, "val_loss": val.loss, "val_acc": val.accuracy,
-            "val_samples": val.samples, "train_samples": train.samples,
+            "val_samples": val.samples, "train_samples": train.samples, "skipped_steps": train.skipped_steps,
             "train_samples_per_s": train.samples / seconds, "lr": run.learning_rate(step),
             "elapsed_s": time.perf_counter() - started,
         }

@@ -163,3 +163,40 @@ def test_a_killed_rank_stops_the_job_and_resume_finishes_it(launcher, tmp_path):
     resumed = fit_under(launcher, *args, "--run-dir", str(killed), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_weights(final_weights(whole), final_weights(killed), atol=1e-6)
+
+
+NAN_RUN = ["--data", "random", "--set", "data.samples=512", "--set", "data.features=8", "--model",
+           "user_code:nan_on_rank_one", "--epochs", "4", "--threads", "1"]  # 3 steps per epoch
+
+
+def test_a_nan_on_one_rank_stops_every_rank_at_that_step(tmp_path):
+    done = fit_under("horovodrun-gloo", *NAN_RUN, "--run-dir", str(tmp_path / "r"), timeout=90)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-2000:]
+    assert output.count("hvdtrain: error:") == 1 and "Traceback" not in output
+    assert "non-finite loss at step 7 on rank 1 (loss nan): training stopped on every rank" in output
+    # Epochs 1 and 2 (steps 1-6) finished and their checkpoints are intact; nothing of step 7 was saved.
+    state = torch.load(tmp_path / "r" / "checkpoints" / "last.pt", weights_only=True)
+    assert state["epoch"] == 2 and all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_a_nan_step_can_be_skipped_on_every_rank(tmp_path):
+    done = fit_under("horovodrun-gloo", *NAN_RUN, "--nonfinite", "skip", "--run-dir", str(tmp_path / "r"), timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in records] == [0, 0, 1, 0]
+    assert all(r["train_loss"] == r["train_loss"] for r in records)  # no NaN in the reported losses
+    state = torch.load(tmp_path / "r" / "checkpoints" / "last.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_a_stalled_collective_stops_the_job_and_names_the_missing_rank(tmp_path):
+    import time
+
+    started = time.monotonic()
+    done = run([*LAUNCHERS["mpirun"], sys.executable, str(ROOT / "tests/workers/stall.py"), "6"], timeout=60)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and time.monotonic() - started < 45
+    # Horovod's stall report: which ranks have not joined which collective.
+    assert "Missing ranks:" in output and ("allreduce.train_step" in output or "allreduce.evaluate" in output)
+    assert "the job stopped in a collective" in output and "Traceback" not in output

@@ -66,3 +66,28 @@ def uneven_by_rank():
 
     rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     return Blobs(200 + 200 * rank), Blobs(40)
+
+
+class NaNOnRankOne(nn.Module):
+    """Its output turns NaN on rank 1 at the 7th training forward pass."""
+
+    def __init__(self, input_shape, num_classes):
+        import math
+        import os
+
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+        self.rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+        self.calls = 0
+
+    def forward(self, x):
+        out = self.net(x)
+        if self.training:
+            self.calls += 1
+            if self.rank == 1 and self.calls == 7:
+                out = out * float("nan")
+        return out
+
+
+def nan_on_rank_one(input_shape, num_classes):
+    return NaNOnRankOne(input_shape, num_classes)

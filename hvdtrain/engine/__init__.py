@@ -30,7 +30,7 @@ def launcher_rank() -> int | None:
     return None
 
 
-def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0) -> Engine:
+def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, stall_timeout: int = 300) -> Engine:
     """Starts Horovod when a launcher started us (or when asked), else a local engine.
 
     dist: sets this process's device (cuda:<local rank>) and thread count (cores
@@ -44,7 +44,7 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0) -> 
 
     from hvdtrain.engine.horovod import HorovodEngine  # imports horovod.torch
 
-    HorovodEngine.init()
+    HorovodEngine.init(stall_timeout)
     local_rank, local_size = HorovodEngine.local_facts()
     engine_device = _pick_device(device, local_rank, local_size)
     torch.set_num_threads(_threads_per_process(threads, local_size))

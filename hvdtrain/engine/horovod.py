@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -23,6 +24,11 @@ def horovod_available() -> bool:
     return hvd is not None
 
 
+def is_collective_failure(err: BaseException) -> bool:
+    """Horovod stopped: another rank failed or left, or a stall ran past its timeout."""
+    return hvd is not None and type(err).__name__ == "HorovodInternalError"
+
+
 class HorovodEngine(Engine):
     """Wraps an initialised Horovod; build it with `HorovodEngine.start()`."""
 
@@ -33,13 +39,18 @@ class HorovodEngine(Engine):
         self.controller = controller
 
     @staticmethod
-    def init() -> None:
+    def init(stall_timeout: int = 300) -> None:
         """Joins the job the launcher started (horovodrun or mpirun)."""
         if hvd is None:
             raise UserError(
                 f"started by a launcher but Horovod does not import ({_import_error}): "
                 "run launch/install.sh, or run hvdtrain fit alone without horovodrun/mpirun"
             )
+        if stall_timeout > 0:
+            # dist: a collective some ranks never join becomes an error naming them, not a hang.
+            # Horovod reads these at init; a user's own settings win.
+            os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, min(60, stall_timeout // 2))))
+            os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(stall_timeout))
         hvd.init()
 
     @staticmethod
