@@ -224,8 +224,10 @@ def doctor(planned: int, device: str, json_path: str | None) -> None:
     else:  # dist: every rank reports; rank 0 prints them in order
         from hvdtrain.engine.horovod import HorovodEngine
 
+        import torch
+
         HorovodEngine.init()
-        engine = HorovodEngine.start(torch_device("cpu"))
+        engine = HorovodEngine.start(torch.device("cpu"))
         try:
             mine = checks.report(engine.rank, engine.local_rank, engine.size, engine.local_size, launched=True)
             reports = engine.allgather_object(mine, "doctor")
@@ -238,12 +240,6 @@ def doctor(planned: int, device: str, json_path: str | None) -> None:
     _write_json(json_path, [{**r, "problems": f} for r, f in zip(reports, found)])
     if any(found):
         sys.exit(1)
-
-
-def torch_device(name: str):
-    import torch
-
-    return torch.device(name)
 
 
 @cli.command("config")

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+FP32 = "32"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -50,5 +51,3 @@ class Precision:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
 
-
-FP32 = "32"
