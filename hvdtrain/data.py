@@ -6,7 +6,6 @@ in tensors takes a faster path that gathers a whole batch with one index operati
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -16,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from hvdtrain.config import DataConfig
-from hvdtrain.engine import Engine
+from hvdtrain.engine import Engine, available_cores
 from hvdtrain.errors import UserError
 from hvdtrain.factory import call_factory, is_factory_path
 
@@ -58,8 +57,7 @@ def data_workers(requested: int, dataset: Dataset, engine: Engine) -> int:
     if isinstance(dataset, TensorDataset) or engine.device.type != "cuda":
         return 0  # in memory or CPU training: workers would only take cores from the compute
     # dist: the host's cores are shared by its local processes; leave one for the main thread.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, min(4, cores // engine.local_size - 1))
+    return max(0, min(4, available_cores() // engine.local_size - 1))
 
 
 def batches(dataset: Dataset, sampler: Sampler[list[int]], num_workers: int, pin_memory: bool) -> Iterable:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from hvdtrain.engine import available_cores
+
 
 def horovod_build() -> dict[str, Any]:
     """Horovod's version and what it was built with (no init needed)."""
@@ -61,7 +63,7 @@ def gpus(local_ranks: range) -> dict[str, Any]:
 
 def report(rank: int, local_rank: int, size: int, local_size: int, launched: bool) -> dict[str, Any]:
     """This process's facts; alone, the GPU plan covers every planned local rank."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = available_cores()
     return {
         "rank": rank, "local_rank": local_rank, "size": size, "local_size": local_size,
         "host": platform.node(), "python": platform.python_version(),

@@ -10,7 +10,7 @@ from hvdtrain.engine.base import Engine, GradientSync, RankFailed
 from hvdtrain.engine.local import LocalEngine
 from hvdtrain.errors import UserError
 
-__all__ = ["Engine", "GradientSync", "LocalEngine", "RankFailed", "launcher_rank", "start_engine"]
+__all__ = ["Engine", "GradientSync", "LocalEngine", "RankFailed", "available_cores", "launcher_rank", "start_engine"]
 
 # Rank variables set by the launchers we support, in the order we trust them.
 _RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
@@ -51,12 +51,16 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
     return HorovodEngine.start(engine_device)
 
 
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which launchers and containers narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _threads_per_process(requested: int, local_size: int) -> int:
     # dist: ranks on one host share its cores; more threads than cores slows every rank.
     if requested > 0:
         return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_size))
+    return max(1, available_cores() // max(1, local_size))
 
 
 def _pick_device(kind: str, local_rank: int, local_size: int) -> torch.device:
