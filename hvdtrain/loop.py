@@ -17,6 +17,9 @@ from torch import nn
 from hvdtrain.engine import Engine
 from hvdtrain.precision import FP32, Precision
 
+# float32 needs no autocast and no scaler, so one instance serves every device.
+FULL_PRECISION = Precision(FP32, torch.device("cpu"))
+
 
 @dataclass
 class EpochResult:
@@ -29,7 +32,7 @@ class EpochResult:
 
 
 def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engine,
-                    clip_grad_norm: Optional[float], precision: Precision | None = None,
+                    clip_grad_norm: Optional[float], precision: Precision = FULL_PRECISION,
                     check_finite: bool = False) -> bool:
     """One optimizer step on gradients combined over all ranks.
 
@@ -41,7 +44,6 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, engine: 
     gradients hold NaN or Inf. They are the same on every rank after the allreduce,
     and a NaN on one rank reaches all, so every rank decides the same way.
     """
-    precision = precision or Precision(FP32, engine.device)
     engine.synchronize(optimizer)  # dist: gradients are now the average over ranks
     precision.unscale(optimizer)
     finite = True
@@ -57,25 +59,31 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, engine: 
     return finite
 
 
+def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                     precision: Precision = FULL_PRECISION, accumulate: int = 1) -> torch.Tensor:
+    """One (micro-)batch's loss and backward pass; returns the loss, detached."""
+    with precision.autocast():
+        loss = F.cross_entropy(model(inputs), targets)
+    precision.backward(loss / accumulate)  # dist: Horovod allreduces after `accumulate` passes
+    return loss.detach()
+
+
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engine, batches: Iterable,
                 *, first_step: int, learning_rate: Callable[[int], float], accumulate: int = 1,
-                clip_grad_norm: Optional[float] = None, precision: Precision | None = None,
+                clip_grad_norm: Optional[float] = None, precision: Precision = FULL_PRECISION,
                 channels_last: bool = False, nonfinite: str = "error",
                 on_step: Callable[[int, torch.Tensor], None] | None = None) -> tuple[EpochResult, int]:
     """Trains on every batch; returns the epoch's reduced loss and the next step number."""
     model.train()
     device = engine.device
-    precision = precision or Precision(FP32, device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     samples = kept = skipped = 0
     step = first_step
     window_losses: list[torch.Tensor] = []  # this step's micro-batch losses, to name a bad rank
     for index, (inputs, targets) in enumerate(batches):
         inputs, targets = to_device(inputs, targets, device, channels_last)
-        with precision.autocast():
-            loss = F.cross_entropy(model(inputs), targets)
-        precision.backward(loss / accumulate)  # dist: Horovod allreduces after `accumulate` passes
-        window_losses.append(loss.detach() * len(targets))
+        loss = forward_backward(model, inputs, targets, precision, accumulate)
+        window_losses.append(loss * len(targets))
         samples += len(targets)
         if (index + 1) % accumulate == 0:
             for group in optimizer.param_groups:
@@ -90,7 +98,7 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engi
             window_losses = []
             step += 1
             if on_step is not None:
-                on_step(step, loss.detach())
+                on_step(step, loss)
     totals = engine.allreduce_sum(
         torch.stack([loss_sum, loss_sum.new_tensor(samples), loss_sum.new_tensor(kept)]).cpu(), "train_loss")
     return EpochResult(float(totals[0]) / max(1, int(totals[2])), int(totals[1]), skipped), step
@@ -116,12 +124,11 @@ class EvalResult:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, engine: Engine, batches: Iterable, precision: Precision | None = None,
+def evaluate(model: nn.Module, engine: Engine, batches: Iterable, precision: Precision = FULL_PRECISION,
              channels_last: bool = False) -> EvalResult:
     """Loss and accuracy over every validation sample, each counted once across ranks."""
     model.eval()
     device = engine.device
-    precision = precision or Precision(FP32, device)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for inputs, targets in batches:
         inputs, targets = to_device(inputs, targets, device, channels_last)

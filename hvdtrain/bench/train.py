@@ -13,12 +13,11 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hvdtrain.bench.stats import mean_ci95
 from hvdtrain.engine import Engine, GradientSync
-from hvdtrain.loop import apply_gradients
+from hvdtrain.loop import apply_gradients, forward_backward, to_device
 from hvdtrain.precision import FP32, Precision
 
 
@@ -27,10 +26,8 @@ def _round_rates(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Eng
                  precision_mode: str = FP32) -> list[float]:
     precision = Precision(precision_mode, engine.device)
 
-    def step() -> None:  # the same calls as hvdtrain.loop.train_epoch makes per step
-        with precision.autocast():
-            loss = F.cross_entropy(model(inputs), targets)
-        precision.backward(loss)
+    def step() -> None:  # the calls hvdtrain.loop.train_epoch makes per step
+        forward_backward(model, inputs, targets, precision)
         apply_gradients(model, optimizer, engine, clip_grad_norm=None, precision=precision)
 
     model.train()
@@ -52,11 +49,11 @@ def run(engine: Engine, model: nn.Module, input_shape: tuple[int, ...], num_clas
         compression: str = "none", precision: str = FP32, channels_last: bool = False) -> dict[str, Any]:
     model = model.to(engine.device)
     generator = torch.Generator().manual_seed(0)
-    inputs = torch.randn(batch_size, *input_shape, generator=generator).to(engine.device)
-    if channels_last and inputs.dim() == 4:
+    inputs, targets = to_device(torch.randn(batch_size, *input_shape, generator=generator),
+                                torch.randint(0, num_classes, (batch_size,), generator=generator),
+                                engine.device, channels_last)
+    if channels_last:
         model = model.to(memory_format=torch.channels_last)
-        inputs = inputs.contiguous(memory_format=torch.channels_last)
-    targets = torch.randint(0, num_classes, (batch_size,), generator=generator).to(engine.device)
     engine.broadcast_parameters(model)
     optimizer = engine.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), model,
                                       GradientSync(compression=compression))
