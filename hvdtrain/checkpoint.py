@@ -75,8 +75,8 @@ class CheckpointStore:
         entry = {"file": path.name, "epoch": epoch, "step": state["step"], "sha256": sha256_of(path), **metrics}
         entries = [e for e in self._entries() if e["epoch"] < epoch] + [entry]
         best = self._best(entries)
-        kept = [e for e in entries[-self.keep_last:]] + ([best] if best not in entries[-self.keep_last:] else [])
-        kept.sort(key=lambda e: e["epoch"])
+        recent = entries[-self.keep_last:]
+        kept = sorted(recent + ([] if best in recent else [best]), key=lambda e: e["epoch"])
         manifest = {"best_metric": self.best_metric, "best": best["file"], "checkpoints": kept}
         text = json.dumps(manifest, indent=2) + "\n"
         atomic_write(self.dir / MANIFEST, lambda handle: handle.write(text.encode()))

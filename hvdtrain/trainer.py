@@ -171,13 +171,12 @@ def _check_same_data(engine: Engine, run: Run) -> None:
     """Every rank must see the same data set, or ranks would wait on each other forever.
 
     Each rank builds the data itself (a factory may read per-host files); the batch
-    counts follow from the sizes, and a rank with more batches would wait in an
-    allreduce that the others never join.
+    counts follow from the sizes (the rest of the config is the same everywhere), and a
+    rank with more batches would wait in an allreduce that the others never join.
     """
-    mine = (len(run.train_sampler), run.train_sampler.n, run.val_size)
-    everyone = engine.allgather_object(mine, "data_sizes")  # dist
+    everyone = engine.allgather_object((run.train_sampler.n, run.val_size), "data_sizes")  # dist
     if len(set(everyone)) > 1:
-        listed = ", ".join(f"rank {r}: {train} train / {val} val" for r, (_, train, val) in enumerate(everyone))
+        listed = ", ".join(f"rank {r}: {train} train / {val} val" for r, (train, val) in enumerate(everyone))
         raise UserError(f"ranks built data sets of different sizes ({listed}): every rank must build the same "
                         "data set; hvdtrain shards it by rank itself, so do not shard it in your factory")
 

@@ -13,8 +13,10 @@ from hvdtrain.errors import UserError
 
 try:
     import horovod.torch as hvd
+    from horovod.common.exceptions import HorovodInternalError
 except ImportError as err:  # reported when a launcher asks for Horovod, not at import
     hvd = None
+    HorovodInternalError = None
     _import_error: ImportError | None = err
 else:
     _import_error = None
@@ -26,7 +28,7 @@ def horovod_available() -> bool:
 
 def is_collective_failure(err: BaseException) -> bool:
     """Horovod stopped: another rank failed or left, or a stall ran past its timeout."""
-    return hvd is not None and type(err).__name__ == "HorovodInternalError"
+    return HorovodInternalError is not None and isinstance(err, HorovodInternalError)
 
 
 class HorovodEngine(Engine):
