@@ -24,7 +24,7 @@ FIT_FLAGS = {
     "compression": "train.compression", "adasum": "train.adasum", "device": "train.device",
     "threads": "train.threads", "precision": "train.precision", "channels_last": "train.channels_last",
     "compile": "train.compile", "nonfinite": "train.nonfinite", "num_workers": "data.num_workers", "run_dir": "run.dir", "resume": "run.resume",
-    "overwrite": "run.overwrite", "progress": "run.progress",
+    "overwrite": "run.overwrite", "progress": "run.progress", "elastic": "train.elastic",
 }
 
 
@@ -61,6 +61,8 @@ def cli() -> None:
 @click.option("--compile", is_flag=True, default=None, help="torch.compile the model.")
 @click.option("--num-workers", type=int, help="DataLoader workers per process (-1: choose).")
 @click.option("--nonfinite", type=click.Choice(["error", "skip"]), help="On a NaN/Inf loss: stop, or skip the step.")
+@click.option("--elastic", is_flag=True, default=None,
+              help="Elastic training (horovodrun --gloo --min-np M --host-discovery-script S).")
 @click.option("--run-dir", help="Run directory (default runs/fit-<date>-<time>).")
 @click.option("--resume", is_flag=True, default=None, help="Continue from the newest checkpoint in --run-dir.")
 @click.option("--overwrite", is_flag=True, default=None, help="Start afresh in an existing --run-dir.")

@@ -118,14 +118,21 @@ class TrainConfig:
     `skip` drops that step's update on every rank and goes on. With fp16 the gradient scaler skips."""
     stall_timeout: int = 300
     """dist: seconds a collective may wait for missing ranks before the job stops, naming them
-    (Horovod's stall inspector, which runs under the MPI controller; 0 switches it off)."""
+    (Horovod's stall inspector under MPI, hvdtrain's watchdog under Gloo; 0 switches it off)."""
     engine: Literal["auto", "horovod", "local"] = "auto"
     """`auto`: Horovod when started by horovodrun or mpirun, else one local process."""
+    elastic: bool = False
+    """dist: elastic training under `horovodrun --gloo --min-np M --host-discovery-script S`:
+    processes may be lost or added; the others go on from the last commit."""
+    commit_every: int = 20
+    """dist: elastic training keeps model, optimizer and position in memory every this many
+    optimizer steps (and after each epoch); a lost process costs at most that much work."""
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, "train.epochs", f"must be at least 1, got {self.epochs}")
         _require(self.accumulate >= 1, "train.accumulate", f"must be at least 1, got {self.accumulate}")
         _require(self.threads >= 0, "train.threads", f"must be 0 (auto) or more, got {self.threads}")
+        _require(self.commit_every >= 1, "train.commit_every", f"must be at least 1, got {self.commit_every}")
         _require(self.stall_timeout >= 0, "train.stall_timeout", f"must be 0 (off) or more, got {self.stall_timeout}")
 
 

@@ -74,7 +74,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
     """Yields this rank's batches of indices for one epoch (call `set_epoch` each epoch).
 
     `multiple` rounds the number of batches down to a multiple (gradient
-    accumulation needs whole optimizer steps on every rank).
+    accumulation needs whole optimizer steps on every rank). `set_epoch(epoch, start)`
+    begins at a global position of the epoch's order: after a world-size change the
+    new ranks share what remains, so no sample is seen twice or skipped.
     """
 
     def __init__(self, n: int, batch_size: int, rank: int, world_size: int, *,
@@ -83,11 +85,15 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.rank, self.world_size = rank, world_size
         self.seed, self.shuffle = seed, shuffle
         self.global_batch = batch_size * world_size  # dist
-        self.num_batches = (n // (self.global_batch * multiple)) * multiple
-        self.epoch = 0
+        self.multiple = multiple
+        self.set_epoch(0)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Selects the epoch's order; `start` global positions of it are already done."""
+        if not 0 <= start <= self.n:
+            raise ValueError(f"start must be in [0, {self.n}], got {start}")
+        self.epoch, self.start = epoch, start
+        self.num_batches = ((self.n - start) // (self.global_batch * self.multiple)) * self.multiple
 
     def __len__(self) -> int:
         return self.num_batches
@@ -97,7 +103,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         offsets = np.arange(self.batch_size, dtype=np.int64)
         for step in range(self.num_batches):
             # dist: this rank's slice of global batch `step`.
-            positions = step * self.global_batch + self.rank * self.batch_size + offsets
+            positions = self.start + step * self.global_batch + self.rank * self.batch_size + offsets
             indices = permutation(positions) if permutation is not None else positions
             yield indices.tolist()
 

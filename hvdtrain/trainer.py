@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -39,13 +39,15 @@ class Run:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    train_sampler: ShardedBatchSampler
-    train_batches: Any
-    val_batches: Any
-    learning_rate: LearningRate
+    split: DataSplit
     precision: Precision
-    val_size: int
     run_dir: Path | None  # rank 0 only
+    workers: int = 0
+    # Set by `shard`, again whenever the world size changes (elastic training):
+    train_sampler: ShardedBatchSampler | None = None
+    train_batches: Any = None
+    val_batches: Any = None
+    learning_rate: LearningRate | None = None
 
 
 def fit(config: Config, engine: Engine) -> dict[str, Any]:
@@ -53,72 +55,115 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
     started = time.perf_counter()
     sys.stderr.write(f"hvdtrain: {engine.describe()}\n")  # every rank, once; one write keeps it whole
     sys.stderr.flush()
+    if config.train.elastic:
+        from hvdtrain.elastic import fit_elastic
+
+        return fit_elastic(config, engine, started)
 
     with engine.agree("setup"):  # dist: a failure on any rank stops all of them here
-        run = _build(config, engine)
+        run = build(config, engine)
+        shard(run, config, engine)
     with engine.agree("data"):
-        _check_same_data(engine, run)
-    run_dir = Path(engine.broadcast_object(str(run.run_dir) if engine.is_root else None, "run_dir"))
-
+        check_same_data(engine, run)
     with engine.agree("resume"):
-        start_epoch, step = _restore(config, engine, run, run_dir)
+        start_epoch, step = start_on_root(config, engine, run)
+    run_dir = Path(engine.broadcast_object(str(run.run_dir) if engine.is_root else None, "run_dir"))
     # dist: every rank starts from rank 0's weights and optimizer state.
     engine.broadcast_parameters(run.model)
     engine.broadcast_optimizer_state(run.optimizer)
     start_epoch, step = engine.broadcast_object((start_epoch, step), "start")
 
-    files = RunFiles(run_dir) if engine.is_root else None  # dist: rank 0 writes shared files
-    if files is not None:
-        files.write_config(config.to_dict())
-        files.truncate_metrics(after_epoch=start_epoch)
-        say(f"hvdtrain: run directory {run_dir}  (world size {engine.size}, "
-            f"global batch {run.train_sampler.global_batch * config.train.accumulate}, "
-            f"{len(run.train_sampler)} batches per rank per epoch)")
-
+    totals = Totals(started, start_epoch)
+    files = open_run_files(config, engine, run, run_dir, start_epoch)
     store = CheckpointStore(run_dir, config.run.keep_last, config.run.best_metric)
-    epochs = config.train.epochs
-    record: dict[str, Any] = {}
-    train_seconds, train_samples = 0.0, 0
     stream = bar_stream(config.run.progress) if engine.is_root else None  # dist: rank 0 only
-    for epoch in range(start_epoch + 1, epochs + 1):
-        _seed(config.train.seed, epoch, engine.rank)
-        run.train_sampler.set_epoch(epoch)  # dist: a new shuffle, the same on every rank
-        progress = EpochProgress(stream, epoch, epochs,
-                                 len(run.train_sampler) // config.train.accumulate, step)
-        epoch_start = time.perf_counter()
-        train, step = train_epoch(
-            run.model, run.optimizer, engine, run.train_batches,
-            first_step=step, learning_rate=run.learning_rate, accumulate=config.train.accumulate,
-            clip_grad_norm=config.optim.clip_grad_norm, precision=run.precision,
-            channels_last=config.train.channels_last, nonfinite=config.train.nonfinite, on_step=progress.step,
-        )
-        seconds = time.perf_counter() - epoch_start
-        progress.close()
-        val = evaluate(run.model, engine, run.val_batches, run.precision, config.train.channels_last)
-        train_seconds += seconds
-        train_samples += train.samples
-        record = {
-            "epoch": epoch, "epochs": epochs, "step": step,
-            "train_loss": train.loss, "val_loss": val.loss, "val_acc": val.accuracy,
-            "val_samples": val.samples, "train_samples": train.samples, "skipped_steps": train.skipped_steps,
-            "train_samples_per_s": train.samples / seconds, "lr": run.learning_rate(step),
-            "elapsed_s": time.perf_counter() - started,
-        }
-        if files is not None:
-            files.append_metrics(record)
-            say(epoch_line(record))
-            if epoch % config.run.checkpoint_every == 0 or epoch == epochs:
-                store.save(_checkpoint_state(run, config, engine, epoch, step), epoch,
-                           {"val_acc": val.accuracy, "val_loss": val.loss})
+    for epoch in range(start_epoch + 1, config.train.epochs + 1):
+        step = run_epoch(run, config, engine, epoch, step, totals, files, store, stream)
+    return finish(config, engine, run_dir, totals, files)
 
+
+@dataclass
+class Totals:
+    """What the summary needs, gathered over the epochs."""
+
+    started: float
+    start_epoch: int
+    record: dict[str, Any] | None = None
+    train_seconds: float = 0.0
+    train_samples: int = 0
+
+
+def open_run_files(config: Config, engine: Engine, run: Run, run_dir: Path, start_epoch: int) -> RunFiles | None:
+    """Rank 0's writer of the run directory (None elsewhere); says where the run goes."""
+    if not engine.is_root:  # dist: rank 0 writes shared files
+        return None
+    files = RunFiles(run_dir)
+    files.write_config(config.to_dict())
+    files.truncate_metrics(after_epoch=start_epoch)
+    say(f"hvdtrain: run directory {run_dir}  (world size {engine.size}, "
+        f"global batch {run.train_sampler.global_batch * config.train.accumulate}, "
+        f"{len(run.train_sampler)} batches per rank per epoch)")
+    return files
+
+
+def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, totals: Totals,
+              files: RunFiles | None, store: CheckpointStore, stream: Any, *, start: int = 0,
+              after_step: Callable[[int], None] | None = None) -> int:
+    """Trains one epoch (from global position `start`), evaluates, and on rank 0 records it
+    and checkpoints. Returns the next step number."""
+    _seed(config.train.seed, epoch, engine.rank)
+    run.train_sampler.set_epoch(epoch, start)  # dist: a new shuffle, the same on every rank
+    epochs = config.train.epochs
+    progress = EpochProgress(stream, epoch, epochs, len(run.train_sampler) // config.train.accumulate, step)
+
+    def on_step(done: int, loss: torch.Tensor) -> None:
+        engine.at(f"epoch {epoch}, training after step {done}")  # dist: for a stall report
+        progress.step(done, loss)
+        if after_step is not None:
+            after_step(done)
+
+    engine.at(f"epoch {epoch}, training from step {step}")
+    epoch_start = time.perf_counter()
+    train, step = train_epoch(
+        run.model, run.optimizer, engine, run.train_batches,
+        first_step=step, learning_rate=run.learning_rate, accumulate=config.train.accumulate,
+        clip_grad_norm=config.optim.clip_grad_norm, precision=run.precision,
+        channels_last=config.train.channels_last, nonfinite=config.train.nonfinite, on_step=on_step,
+    )
+    seconds = time.perf_counter() - epoch_start
+    progress.close()
+    engine.at(f"epoch {epoch}, evaluation")
+    val = evaluate(run.model, engine, run.val_batches, run.precision, config.train.channels_last)
+    totals.train_seconds += seconds
+    totals.train_samples += train.samples
+    totals.record = {
+        "epoch": epoch, "epochs": epochs, "step": step, "world_size": engine.size,
+        "train_loss": train.loss, "val_loss": val.loss, "val_acc": val.accuracy,
+        "val_samples": val.samples, "train_samples": train.samples, "skipped_steps": train.skipped_steps,
+        "train_samples_per_s": train.samples / seconds, "lr": run.learning_rate(step),
+        "elapsed_s": time.perf_counter() - totals.started,
+    }
+    if files is not None:
+        files.append_metrics(totals.record)
+        say(epoch_line(totals.record))
+        if epoch % config.run.checkpoint_every == 0 or epoch == epochs:
+            store.save(_checkpoint_state(run, config, engine, epoch, step), epoch,
+                       {"val_acc": val.accuracy, "val_loss": val.loss})
+    return step
+
+
+def finish(config: Config, engine: Engine, run_dir: Path, totals: Totals, files: RunFiles | None) -> dict[str, Any]:
+    """The run's summary; rank 0 writes summary.json and says how it ended."""
+    record = totals.record or {}
+    epochs = config.train.epochs
     summary = {
-        "world_size": engine.size, "epochs": epochs, "steps": step,
+        "world_size": engine.size, "epochs": epochs, "steps": record.get("step"),
         "val_acc": record.get("val_acc"), "val_loss": record.get("val_loss"),
         "train_loss": record.get("train_loss"),
-        "train_samples_per_s": train_samples / train_seconds if train_seconds else None,
-        "wall_s": time.perf_counter() - started,
+        "train_samples_per_s": totals.train_samples / totals.train_seconds if totals.train_seconds else None,
+        "wall_s": time.perf_counter() - totals.started,
         "controller": engine.controller, "device": str(engine.device),
-        "resumed_from_epoch": start_epoch or None,
+        "resumed_from_epoch": totals.start_epoch or None,
     }
     if files is not None:
         files.write_summary(summary)
@@ -130,51 +175,54 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
     return summary
 
 
-def _build(config: Config, engine: Engine) -> Run:
+def build(config: Config, engine: Engine) -> Run:
+    """Data, model and optimizer; no collectives, no files."""
     torch.manual_seed(config.train.seed)  # the same initial weights everywhere, broadcast anyway
     split: DataSplit = build_data(config.data, config.train.seed)
     model = build_model(config.model, split.input_shape, split.num_classes).to(engine.device)
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    batch = config.data.batch_size
-    accumulate = config.train.accumulate
+    optimizer = engine.wrap_optimizer(
+        _make_optimizer(config, model), model,
+        GradientSync(config.train.accumulate, config.train.compression, config.train.adasum),
+    )
+    # Compiled after wrapping: Horovod's hooks sit on the parameters, which compiling keeps.
+    forward = torch.compile(model) if config.train.compile else model
+    return Run(forward, optimizer, split, Precision(config.train.precision, engine.device), None,
+               workers=data_workers(config.data.num_workers, split.train, engine))
+
+
+def shard(run: Run, config: Config, engine: Engine) -> None:
+    """This rank's batches and the learning rate for the current world size."""
+    batch, accumulate = config.data.batch_size, config.train.accumulate
+    train_size = len(run.split.train)
     # dist: each rank takes its slice of every global batch; the same count on every rank.
-    train_sampler = ShardedBatchSampler(len(split.train), batch, engine.rank, engine.size,
-                                        seed=config.train.seed, multiple=accumulate)
-    if len(train_sampler) == 0:
+    run.train_sampler = ShardedBatchSampler(train_size, batch, engine.rank, engine.size,
+                                            seed=config.train.seed, multiple=accumulate)
+    if len(run.train_sampler) == 0:
         raise UserError(
-            f"the training set has {len(split.train)} samples, fewer than one optimizer step needs "
+            f"the training set has {train_size} samples, fewer than one optimizer step needs "
             f"(batch {batch} x {engine.size} processes x accumulate {accumulate}): "
             "lower --batch-size or --accumulate, or use fewer processes"
         )
-    val_sampler = EvalShardSampler(len(split.val), batch, engine.rank, engine.size)
+    val_sampler = EvalShardSampler(len(run.split.val), batch, engine.rank, engine.size)
     pin = engine.device.type == "cuda"  # pinned host memory lets copies to the GPU overlap compute
-    workers = data_workers(config.data.num_workers, split.train, engine)
-    optimizer = engine.wrap_optimizer(
-        _make_optimizer(config, model), model,
-        GradientSync(accumulate, config.train.compression, config.train.adasum),
-    )
-    learning_rate = LearningRate.from_config(
+    run.train_batches = batches(run.split.train, run.train_sampler, run.workers, pin)
+    run.val_batches = batches(run.split.val, val_sampler, run.workers, pin)
+    run.learning_rate = LearningRate.from_config(
         config.optim, world_size=engine.size, accumulate=accumulate, adasum=config.train.adasum,
-        steps_per_epoch=len(train_sampler) // accumulate, epochs=config.train.epochs,
+        steps_per_epoch=len(run.train_sampler) // accumulate, epochs=config.train.epochs,
     )
-    run_dir = prepare_run_dir(config.run) if engine.is_root else None  # dist: rank 0 only
-    # Compiled after wrapping: Horovod's hooks sit on the parameters, which compiling keeps.
-    forward = torch.compile(model) if config.train.compile else model
-    return Run(forward, optimizer, train_sampler,
-               batches(split.train, train_sampler, workers, pin),
-               batches(split.val, val_sampler, workers, pin),
-               learning_rate, Precision(config.train.precision, engine.device), len(split.val), run_dir)
 
 
-def _check_same_data(engine: Engine, run: Run) -> None:
+def check_same_data(engine: Engine, run: Run) -> None:
     """Every rank must see the same data set, or ranks would wait on each other forever.
 
     Each rank builds the data itself (a factory may read per-host files); the batch
     counts follow from the sizes (the rest of the config is the same everywhere), and a
     rank with more batches would wait in an allreduce that the others never join.
     """
-    everyone = engine.allgather_object((run.train_sampler.n, run.val_size), "data_sizes")  # dist
+    everyone = engine.allgather_object((len(run.split.train), len(run.split.val)), "data_sizes")  # dist
     if len(set(everyone)) > 1:
         listed = ", ".join(f"rank {r}: {train} train / {val} val" for r, (train, val) in enumerate(everyone))
         raise UserError(f"ranks built data sets of different sizes ({listed}): every rank must build the same "
@@ -188,10 +236,17 @@ def _make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def _restore(config: Config, engine: Engine, run: Run, run_dir: Path) -> tuple[int, int]:
-    """On rank 0: loads the newest checkpoint when resuming. Returns (epoch done, step)."""
-    if not (config.run.resume and engine.is_root):
+def start_on_root(config: Config, engine: Engine, run: Run) -> tuple[int, int]:
+    """On rank 0, after every check passed: the run directory, and the checkpoint when
+    resuming. Returns (epoch done, step); (0, 0) elsewhere."""
+    if not engine.is_root:  # dist: rank 0 alone owns the run directory
         return 0, 0
+    run.run_dir = prepare_run_dir(config.run)
+    return _restore(config, run, run.run_dir) if config.run.resume else (0, 0)
+
+
+def _restore(config: Config, run: Run, run_dir: Path) -> tuple[int, int]:
+    """Loads the newest intact checkpoint into the model and optimizer."""
     path = CheckpointStore(run_dir).latest_valid(warn=lambda message: say(f"hvdtrain: warning: {message}"))
     if path is None:
         raise UserError(f"no intact checkpoint to resume in '{run_dir}/checkpoints': every one is corrupt or "

@@ -7,6 +7,9 @@
 # Needs passwordless SSH from this host to every host, and hvdtrain installed at the
 # same path on each (the Docker image gives both). NP defaults to the sum of the slots.
 set -euo pipefail
+# shellcheck source=launch/require.sh
+source "$(dirname "$0")/require.sh"
+require horovodrun hvdtrain
 if [ -n "${HOSTS:-}" ]; then
   hosts=(-H "$HOSTS")
   slots=$(tr ',' '\n' <<<"$HOSTS" | awk -F: '{ n += ($2 == "" ? 1 : $2) } END { print n }')

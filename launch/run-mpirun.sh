@@ -8,6 +8,9 @@
 # --map-by slot: consecutive ranks fill a host before the next, so local ranks match GPUs.
 # -x: pass the environment the ranks need to every host.
 set -euo pipefail
+# shellcheck source=launch/require.sh
+source "$(dirname "$0")/require.sh"
+require mpirun hvdtrain
 args=(-np "${NP:-2}" --bind-to none --map-by slot
       -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x NCCL_DEBUG -x CUDA_VISIBLE_DEVICES
       -mca pml ob1 -mca btl ^openib)

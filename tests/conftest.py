@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -51,6 +55,46 @@ requires_launchers = pytest.mark.skipif(
     not (have("horovodrun") and have("mpirun")),
     reason="horovodrun and mpirun are installed by launch/install.sh (make test)",
 )
+
+
+SSHD = Path("/usr/sbin/sshd")
+requires_sshd = pytest.mark.skipif(not SSHD.exists(), reason="needs openssh-server (launch/install.sh installs it as root)")
+
+
+@contextlib.contextmanager
+def sshd(hosts: tuple[str, ...], keys: Path) -> Iterator[tuple[int, Path]]:
+    """An sshd of the test's own on loopback addresses, so horovodrun sees several hosts.
+
+    Makes a host key and a client key, listens on a free high port of each address,
+    and yields (port, client key).
+    """
+    keys.mkdir()
+    for name in ("client", "host"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)], check=True)
+    shutil.copy(keys / "client.pub", keys / "authorized_keys")
+    with socket.socket() as probe:
+        probe.bind((hosts[0], 0))
+        port = probe.getsockname()[1]
+    config = keys / "sshd_config"
+    config.write_text("\n".join([
+        f"Port {port}", *(f"ListenAddress {host}" for host in hosts), f"HostKey {keys / 'host'}",
+        f"AuthorizedKeysFile {keys / 'authorized_keys'}", "PasswordAuthentication no", "UsePAM no",
+        "StrictModes no", f"PidFile {keys / 'sshd.pid'}", "",
+    ]))
+    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+    daemon = subprocess.Popen([str(SSHD), "-D", "-f", str(config), "-E", str(keys / "sshd.log")])
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((hosts[-1], port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield port, keys / "client"
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=10)
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -21,7 +21,8 @@ def test_dockerfiles_pass_hadolint():
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_scripts_pass_shellcheck(script):
-    done = subprocess.run([str(BIN / "shellcheck"), str(script)], capture_output=True, text=True)
+    # -x follows `source launch/require.sh`, whose path is relative to the repository root.
+    done = subprocess.run([str(BIN / "shellcheck"), "-x", str(script)], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout
 
 
@@ -46,6 +47,27 @@ def test_mpijob_manifest_launches_hvdtrain():
 def test_hostfile_example_matches_horovodrun_format():
     lines = [line for line in (ROOT / "launch/hostfile.example").read_text().splitlines() if line and not line.startswith("#")]
     assert lines and all(len(line.split()) == 2 and line.split()[1].startswith("slots=") for line in lines)
+
+
+def test_discovery_script_turns_a_hostfile_into_host_slots_lines(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the cluster\ngpu-node-1 slots=4\n\n  # gone for now\ngpu-node-2\n")
+    done = subprocess.run(["bash", str(ROOT / "launch/discover-hosts.sh")], env={**launch_env(), "HOSTFILE": str(hostfile)},
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines() == ["gpu-node-1:4", "gpu-node-2:1"]
+
+
+@pytest.mark.parametrize("script", ["run-local.sh", "run-hosts.sh", "run-mpirun.sh"])
+def test_launch_scripts_name_a_missing_launcher_in_one_line(script, tmp_path):
+    # PATH without the virtual environment: no horovodrun, mpirun or hvdtrain.
+    done = subprocess.run(["bash", str(ROOT / "launch" / script), "--run-dir", str(tmp_path / "r")],
+                          env={**launch_env(), "PATH": "/usr/bin:/bin", "HOSTS": "localhost:2"},
+                          capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{script}: error: '") and "is not on PATH: run 'make install'" in lines[0]
+    assert lines[0].split("'")[1] in ("horovodrun", "mpirun", "hvdtrain")
+    assert not (tmp_path / "r").exists()
 
 
 def _launch(script: str, env_extra: dict, tmp_path: Path):

@@ -6,57 +6,20 @@ starts one rank on each through SSH.
 """
 
 import json
-import shutil
-import socket
-import subprocess
-import time
-from pathlib import Path
 
 import pytest
 
-from conftest import requires_launchers, run
+from conftest import requires_launchers, requires_sshd, run, sshd
 
-SSHD = Path("/usr/sbin/sshd")
 HOSTS = ("127.0.0.2", "127.0.0.3")
 
-pytestmark = [pytest.mark.multiprocess, requires_launchers,
-              pytest.mark.skipif(not SSHD.exists(), reason="needs openssh-server (launch/install.sh installs it as root)")]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((HOSTS[0], 0))
-        return probe.getsockname()[1]
+pytestmark = [pytest.mark.multiprocess, requires_launchers, requires_sshd]
 
 
 @pytest.fixture
 def two_ssh_hosts(tmp_path):
-    keys = tmp_path / "ssh"
-    keys.mkdir()
-    for name in ("client", "host"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)], check=True)
-    shutil.copy(keys / "client.pub", keys / "authorized_keys")
-    port = _free_port()
-    config = keys / "sshd_config"
-    config.write_text("\n".join([
-        f"Port {port}", *(f"ListenAddress {host}" for host in HOSTS), f"HostKey {keys / 'host'}",
-        f"AuthorizedKeysFile {keys / 'authorized_keys'}", "PasswordAuthentication no", "UsePAM no",
-        "StrictModes no", f"PidFile {keys / 'sshd.pid'}", "",
-    ]))
-    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
-    daemon = subprocess.Popen([str(SSHD), "-D", "-f", str(config), "-E", str(keys / "sshd.log")])
-    try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection((HOSTS[1], port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        yield port, keys / "client"
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=10)
+    with sshd(HOSTS, tmp_path / "ssh") as (port, key):
+        yield port, key
 
 
 def test_horovodrun_across_two_ssh_hosts(two_ssh_hosts, tmp_path):

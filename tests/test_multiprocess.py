@@ -3,6 +3,7 @@
 import json
 import shutil
 import sys
+import time
 
 import pytest
 import torch
@@ -80,6 +81,8 @@ BAD = {
     "wrong config type": (["--set", "data.batch_size=lots"], "config key 'data.batch_size' must be an integer"),
     "factory does not import": (["--model", "nowhere.module:net"], "module 'nowhere' not found"),
     "batch size zero": (["--batch-size", "0"], "must be at least 1, got 0"),
+    "more processes than samples": (["--data", "random", "--set", "data.samples=2", "--batch-size", "1"],
+                                    "fewer than one optimizer step needs (batch 1 x 2 processes"),
 }
 
 
@@ -137,8 +140,6 @@ def test_a_killed_rank_stops_the_job_and_resume_finishes_it(launcher, tmp_path):
     import os
     import signal
     import subprocess
-    import time
-
     from conftest import launch_env
 
     args = [*RANDOM, "--set", "data.samples=60000", "--epochs", "4", "--progress", "off"]
@@ -190,13 +191,32 @@ def test_a_nan_step_can_be_skipped_on_every_rank(tmp_path):
     assert all(torch.isfinite(v).all() for v in state["model"].values())
 
 
-def test_a_stalled_collective_stops_the_job_and_names_the_missing_rank(tmp_path):
-    import time
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun-gloo"])
+def test_ranks_with_3_and_5_batches_stop_within_the_stall_timeout(launcher):
+    """Rank 0 has 3 batches, rank 1 has 5: rank 0 evaluates while rank 1 waits for a 4th step.
 
+    Under MPI Horovod's stall inspector ends it; under Gloo hvdtrain's own watchdog does.
+    """
     started = time.monotonic()
-    done = run([*LAUNCHERS["mpirun"], sys.executable, str(ROOT / "tests/workers/stall.py"), "6"], timeout=60)
+    done = run([*LAUNCHERS[launcher], sys.executable, str(ROOT / "tests/workers/stall.py"), "6"], timeout=60)
     output = done.stdout + done.stderr
     assert done.returncode != 0 and time.monotonic() - started < 45
-    # Horovod's stall report: which ranks have not joined which collective.
-    assert "Missing ranks:" in output and ("allreduce.train_step" in output or "allreduce.evaluate" in output)
-    assert "the job stopped in a collective" in output and "Traceback" not in output
+    if launcher == "mpirun":  # Horovod's report: which ranks have not joined which collective
+        assert "Missing ranks:" in output and ("allreduce.train_step" in output or "allreduce.evaluate" in output)
+        assert "the job stopped in a collective" in output
+    else:
+        line = next(line for line in output.splitlines() if "the job stalled" in line)
+        assert "rank 0 waited" in line and "in allreduce 'evaluate' at evaluation (train.stall_timeout 6 s)" in line
+        assert "not there: rank 1 (in allreduce 'train_step' at batch 4 for" in line
+    assert "Traceback" not in output
+
+
+def test_a_rank_stuck_in_its_step_is_named_under_gloo(tmp_path):
+    started = time.monotonic()
+    done = fit_under("horovodrun-gloo", "--model", "user_code:stuck_on_rank_1", "--set", "train.stall_timeout=6",
+                     "--run-dir", str(tmp_path / "run"), timeout=90)
+    assert done.returncode != 0 and time.monotonic() - started < 60
+    errors = [line for line in done.stderr.splitlines() if "the job stalled" in line]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert "rank 0 waited" in errors[0] and "in the gradient allreduce at epoch 1, training after step 2" in errors[0]
+    assert "not there: rank 1 (computing at epoch 1, training after step 2)" in errors[0]

@@ -61,3 +61,33 @@ def test_accumulation_rounds_to_whole_steps():
 def test_eval_shards_count_every_sample_once(n, world):
     seen = [i for rank in range(world) for batch in EvalShardSampler(n, 4, rank, world) for i in batch]
     assert sorted(seen) == list(range(n))
+
+
+@pytest.mark.parametrize("before, after", [(3, 2), (2, 3), (4, 1)])
+def test_an_epoch_continued_by_another_world_size_sees_each_sample_once(before, after):
+    """Elastic training: some steps with `before` ranks, the rest of the epoch with `after`."""
+    n, batch, epoch = 1000, 8, 4
+    order = FeistelPermutation(n, seed=5, epoch=epoch)(np.arange(n)).tolist()
+    done_steps = 5
+    seen = []
+    for rank in range(before):
+        sampler = ShardedBatchSampler(n, batch, rank, before, seed=5)
+        sampler.set_epoch(epoch)
+        seen += [i for _, indices in zip(range(done_steps), sampler) for i in indices]
+    position = done_steps * batch * before  # what the elastic state commits
+    rest = []
+    for rank in range(after):
+        sampler = ShardedBatchSampler(n, batch, rank, after, seed=5)
+        sampler.set_epoch(epoch, start=position)
+        rest += [i for indices in sampler for i in indices]
+    everything = seen + rest
+    assert len(everything) == len(set(everything))  # nothing twice
+    # Everything of the epoch's order up to the last whole global batch, nothing else.
+    covered = position + (n - position) // (batch * after) * batch * after
+    assert sorted(everything) == sorted(order[:covered])
+
+
+def test_a_start_outside_the_epoch_is_refused():
+    sampler = ShardedBatchSampler(10, 2, 0, 1)
+    with pytest.raises(ValueError):
+        sampler.set_epoch(1, start=11)

@@ -91,3 +91,51 @@ class NaNOnRankOne(nn.Module):
 
 def nan_on_rank_one(input_shape, num_classes):
     return NaNOnRankOne(input_shape, num_classes)
+
+
+class _Paced(nn.Module):
+    """Waits a little in each training forward pass, as a larger model would compute."""
+
+    def __init__(self, inner: nn.Module, seconds: float):
+        super().__init__()
+        self.inner, self.seconds = inner, seconds
+
+    def forward(self, x):
+        if self.training:
+            import time
+
+            time.sleep(self.seconds)
+        return self.inner(x)
+
+
+def paced_mlp(input_shape, num_classes):
+    """The built-in MLP at about 20 steps/s, so that a test can act while it trains."""
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.models import build_model
+
+    return _Paced(build_model(ModelConfig(name="mlp"), input_shape, num_classes), 0.05)
+
+
+class _StuckOnRank1(nn.Module):
+    """Rank 1 never finishes its third training forward pass, as a deadlocked data reader would."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x):
+        import os
+        import time
+
+        if self.training and os.environ.get("HOROVOD_RANK") == "1":
+            self.calls += 1
+            while self.calls >= 3:
+                time.sleep(1)
+        return self.inner(x)
+
+
+def stuck_on_rank_1(input_shape, num_classes):
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.models import build_model
+
+    return _StuckOnRank1(build_model(ModelConfig(name="mlp"), input_shape, num_classes))

@@ -16,11 +16,20 @@ __all__ = ["Engine", "GradientSync", "LocalEngine", "RankFailed", "available_cor
 _RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
 
-def launcher_rank() -> int | None:
-    """This process's rank as its launcher set it, or None when no launcher started it.
+_started: Engine | None = None  # the Horovod engine, once started
 
-    Known before any engine starts, so that only rank 0 reports a bad command line.
+
+def launcher_rank() -> int | None:
+    """This process's rank, or None when no launcher started it.
+
+    Known from the launcher before any engine starts, so that only rank 0 reports a
+    bad command line; from the engine once it runs (elastic training renumbers ranks).
     """
+    if _started is not None:
+        try:
+            return _started.rank
+        except ValueError:  # Horovod has shut down
+            pass
     for name in _RANK_VARIABLES:
         if name in os.environ:
             try:
@@ -48,7 +57,9 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
     local_rank, local_size = HorovodEngine.local_facts()
     engine_device = _pick_device(device, local_rank, local_size)
     torch.set_num_threads(_threads_per_process(threads, local_size))
-    return HorovodEngine.start(engine_device)
+    global _started
+    _started = HorovodEngine.start(engine_device, stall_timeout)
+    return _started
 
 
 def available_cores() -> int:

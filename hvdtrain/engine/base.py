@@ -10,9 +10,13 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import torch
+
+from hvdtrain.errors import UserError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,9 @@ class Engine(ABC):
             f"rank {self.rank}/{self.size} local_rank {self.local_rank}/{self.local_size} "
             f"device {self.device} controller {self.controller} threads {torch.get_num_threads()}"
         )
+
+    def at(self, where: str) -> None:
+        """Where the training loop is now; a stall report names it."""
 
     @abstractmethod
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
@@ -104,8 +111,12 @@ class Engine(ABC):
         error: BaseException | None = None
         try:
             yield
-        except Exception as err:  # noqa: BLE001 - re-raised below on every rank
+        except Exception as err:  # noqa: BLE001 - re-raised by settle on every rank
             error = err
+        self.settle(phase, error)
+
+    def settle(self, phase: str, error: BaseException | None) -> None:
+        """Every rank says how its part of `phase` went; raises on all if any failed."""
         if self.size > 1:
             reports = self.allgather_object(None if error is None else _report(error), f"agree.{phase}")
             failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
@@ -114,6 +125,35 @@ class Engine(ABC):
                 raise RankFailed(rank, kind, message)
         if error is not None:
             raise error
+
+    # Elastic training: only Horovod's Gloo launcher can replace processes.
+    def require_elastic(self) -> None:
+        """Raises unless this process was started for elastic training."""
+        raise UserError("--elastic needs processes started by horovodrun in elastic mode: horovodrun --gloo "
+                        "-np N --min-np M --host-discovery-script launch/discover-hosts.sh hvdtrain fit --elastic")
+
+    def elastic_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      before_sync: Callable[[], None], **objects: Any) -> "ElasticState":
+        """State that survives a change of processes (see `run_elastic`)."""
+        raise NotImplementedError
+
+    def run_elastic(self, train: Callable[["ElasticState"], T], state: "ElasticState") -> T:
+        """Calls `train(state)` until it returns, again after every change of processes.
+
+        Before each call the state is copied from rank 0 (a new process gets it so), and
+        after a lost process it is rolled back to its last `commit`; rank and size may
+        differ from one call to the next.
+        """
+        raise NotImplementedError
+
+
+class ElasticState(Protocol):
+    """Model, optimizer and named values, kept in memory at each `commit`."""
+
+    def commit(self) -> None:
+        """Keeps the current values; also where a change of processes is noticed (it raises)."""
+
+    def __getattr__(self, name: str) -> Any: ...
 
 
 class RankFailed(Exception):

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from hvdtrain.engine.base import Engine, GradientSync
+from hvdtrain.engine.base import ElasticState, Engine, GradientSync, T
 from hvdtrain.errors import UserError
+from hvdtrain.watchdog import Activity, KeyValueBoard, StallWatchdog
 
 try:
     import horovod.torch as hvd
+    from horovod.common.elastic import ObjectState
     from horovod.common.exceptions import HorovodInternalError
 except ImportError as err:  # reported when a launcher asks for Horovod, not at import
     hvd = None
     HorovodInternalError = None
+    ObjectState = object
     _import_error: ImportError | None = err
 else:
     _import_error = None
@@ -35,10 +39,16 @@ class HorovodEngine(Engine):
     """Wraps an initialised Horovod; build it with `HorovodEngine.start()`."""
 
     def __init__(self, device: torch.device, controller: str):
-        self.rank, self.local_rank = hvd.rank(), hvd.local_rank()
-        self.size, self.local_size = hvd.size(), hvd.local_size()
         self.device = device
         self.controller = controller
+        self.activity = Activity()
+        self._watchdog: StallWatchdog | None = None
+
+    # Read from Horovod each time: in elastic training they change when processes come and go.
+    rank = property(lambda self: hvd.rank())
+    local_rank = property(lambda self: hvd.local_rank())
+    size = property(lambda self: hvd.size())
+    local_size = property(lambda self: hvd.local_size())
 
     @staticmethod
     def init(stall_timeout: int = 300) -> None:
@@ -61,9 +71,19 @@ class HorovodEngine(Engine):
         return hvd.local_rank(), hvd.local_size()
 
     @classmethod
-    def start(cls, device: torch.device) -> "HorovodEngine":
+    def start(cls, device: torch.device, stall_timeout: int = 0) -> "HorovodEngine":
         controller = "mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled() else "unknown"
-        return cls(device, controller)
+        engine = cls(device, controller)
+        board = KeyValueBoard.from_environment()
+        if stall_timeout > 0 and controller == "gloo" and board is not None:
+            # dist: Horovod's stall inspector covers MPI only; under Gloo a collective
+            # that some rank never joins would otherwise wait forever.
+            engine._watchdog = StallWatchdog(engine.activity, board, stall_timeout,
+                                             rank=hvd.rank, size=hvd.size).start()
+        return engine
+
+    def at(self, where: str) -> None:
+        self.activity.at(where)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                        sync: GradientSync) -> torch.optim.Optimizer:
@@ -79,25 +99,97 @@ class HorovodEngine(Engine):
         )
 
     def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.synchronize()
+        with self.activity.waiting("the gradient allreduce"):
+            optimizer.synchronize()
 
     def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
         return optimizer.skip_synchronize()
 
     def broadcast_parameters(self, model: torch.nn.Module) -> None:
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        with self.activity.waiting("broadcast of the parameters"):
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
     def broadcast_object(self, obj: Any, name: str) -> Any:
-        return hvd.broadcast_object(obj, root_rank=0, name=name)
+        with self.activity.waiting(f"broadcast '{name}'"):
+            return hvd.broadcast_object(obj, root_rank=0, name=name)
 
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
-        return hvd.allgather_object(obj, name=name)
+        with self.activity.waiting(f"allgather '{name}'"):
+            return hvd.allgather_object(obj, name=name)
 
     def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        return hvd.allreduce(tensor, name=name, op=hvd.Sum)
+        with self.activity.waiting(f"allreduce '{name}'"):
+            return hvd.allreduce(tensor, name=name, op=hvd.Sum)
+
+    def require_elastic(self) -> None:
+        if os.environ.get("HOROVOD_ELASTIC") != "1":  # set by horovodrun's elastic driver
+            super().require_elastic()
+
+    def elastic_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      before_sync: Callable[[], None], **objects: Any) -> ElasticState:
+        return _ElasticState(self, model, optimizer, before_sync, **objects)
+
+    def run_elastic(self, train: Callable[[ElasticState], T], state: ElasticState) -> T:
+        return hvd.elastic.run(train)(state)
 
     def barrier(self) -> None:
-        hvd.barrier()
+        with self.activity.waiting("barrier"):
+            hvd.barrier()
 
     def shutdown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
         hvd.shutdown()
+
+
+class _ElasticState(ObjectState):
+    """Horovod's elastic object state, plus the model and optimizer.
+
+    Not Horovod's TorchState: its optimizer sync takes a dummy step on processes with
+    empty optimizer state, which moves their weights (weight decay) away from rank 0's.
+    Here the optimizer state is simply copied from rank 0.
+    """
+
+    def __init__(self, engine: HorovodEngine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 before_sync: Callable[[], None], **objects: Any):
+        self._engine, self._model, self._optimizer = engine, model, optimizer
+        self._before_sync = before_sync
+        super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, root_rank=0, name="elastic.state"),
+                         get_rank=hvd.rank, **objects)
+        self._save_tensors()
+
+    def _save_tensors(self) -> None:
+        self._saved_model = copy.deepcopy(self._model.state_dict())
+        self._saved_optimizer = copy.deepcopy(self._optimizer.state_dict())
+
+    def save(self) -> None:
+        self._save_tensors()
+        super().save()
+
+    def restore(self) -> None:
+        self._model.load_state_dict(self._saved_model)
+        self._optimizer.load_state_dict(self._saved_optimizer)
+        _drop_pending_allreduces(self._optimizer)
+        super().restore()
+
+    def sync(self) -> None:
+        # dist: a new process's first collectives: the same sequence as everyone else's here.
+        self._before_sync()
+        self._engine.broadcast_parameters(self._model)
+        self._engine.broadcast_optimizer_state(self._optimizer)
+        super().sync()
+        self._save_tensors()
+
+
+def _drop_pending_allreduces(optimizer: torch.optim.Optimizer) -> None:
+    """Forgets the allreduces of a step that a lost process interrupted.
+
+    Horovod's DistributedOptimizer keeps them in private fields and would otherwise
+    refuse the next backward pass ("computed more than backward_passes_per_step times").
+    """
+    optimizer._handles.clear()
+    for param in optimizer._allreduce_delay:
+        optimizer._allreduce_delay[param] = optimizer.backward_passes_per_step
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None

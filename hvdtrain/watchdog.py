@@ -1,0 +1,130 @@
+"""A stall timeout for the Gloo controller: a collective that waits too long ends the job.
+
+Horovod's own stall inspector stops a job only under MPI. Here each rank records
+where it is (`Activity`, updated by the engine at every collective and by the loop at
+every batch) and a background thread publishes that to the key-value store that
+horovodrun's Gloo rendezvous already runs. When a rank has waited in one collective
+for longer than the timeout, it reads every rank's entry, names the ranks that are
+not in that collective with it, and exits; the launcher then stops the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+_SCOPE = "hvdtrain-activity"
+# A rank that is not the one to report waits this long before it exits itself, so
+# that the reporting rank's line is out before the launcher stops everyone.
+_GRACE_SECONDS = 5.0
+
+
+@dataclass
+class Activity:
+    """Where this rank is; written by the training thread, read by the watchdog."""
+
+    where: str = "set-up"
+    collective: str | None = None
+    """The collective this rank waits in, or None while it computes."""
+    since: float = 0.0
+    """time.time() when `collective` began (wall clock: compared across hosts)."""
+
+    def at(self, where: str) -> None:
+        self.where = where
+
+    @contextlib.contextmanager
+    def waiting(self, collective: str) -> Iterator[None]:
+        self.collective, self.since = collective, time.time()
+        try:
+            yield
+        finally:
+            self.collective = None
+
+    def describe(self) -> str:
+        if self.collective is None:
+            return f"computing at {self.where}"
+        return f"in {self.collective} at {self.where} for {time.time() - self.since:.0f} s"
+
+
+class KeyValueBoard:
+    """Every rank's latest Activity, on horovodrun's rendezvous server (HTTP PUT and GET)."""
+
+    def __init__(self, address: str, port: str):
+        self.url = f"http://{address}:{port}/{_SCOPE}"
+
+    @classmethod
+    def from_environment(cls) -> "KeyValueBoard | None":
+        address, port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"), os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+        return cls(address, port) if address and port else None
+
+    def publish(self, rank: int, activity: Activity) -> None:
+        body = json.dumps(asdict(activity)).encode()
+        request = urllib.request.Request(f"{self.url}/{rank}", data=body, method="PUT")
+        urllib.request.urlopen(request, timeout=5).close()
+
+    def read(self, rank: int) -> Activity | None:
+        try:
+            with urllib.request.urlopen(f"{self.url}/{rank}", timeout=5) as response:
+                return Activity(**json.loads(response.read()))
+        except OSError:  # never published, or the server is gone
+            return None
+
+
+class StallWatchdog:
+    """Ends the process when its collective has waited `timeout` seconds, naming the laggards."""
+
+    def __init__(self, activity: Activity, board: KeyValueBoard, timeout: float,
+                 rank: Callable[[], int], size: Callable[[], int]):
+        self.activity, self.board, self.timeout = activity, board, timeout
+        self.rank, self.size = rank, size
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hvdtrain-stall-watchdog", daemon=True)
+
+    def start(self) -> "StallWatchdog":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        interval = max(0.2, min(2.0, self.timeout / 5))
+        published = None
+        while not self._stop.wait(interval):
+            try:
+                rank = self.rank()
+            except ValueError:  # Horovod shut down (or is re-initialising in elastic training)
+                continue
+            snapshot = asdict(self.activity)
+            if snapshot != published:
+                with contextlib.suppress(OSError):
+                    self.board.publish(rank, self.activity)
+                    published = snapshot
+            mine = self.activity
+            if mine.collective is not None and time.time() - mine.since > self.timeout:
+                self._stalled(rank)
+
+    def _stalled(self, rank: int) -> None:
+        mine = Activity(**asdict(self.activity))
+        now = time.time()
+        others = {other: self.board.read(other) for other in range(self.size()) if other != rank}
+        missing = [f"rank {r} ({a.describe() if a else 'never reported'})" for r, a in others.items()
+                   if a is None or (a.collective, a.where) != (mine.collective, mine.where)]
+        if any(r < rank and a and a.collective and now - a.since > self.timeout for r, a in others.items()):
+            time.sleep(_GRACE_SECONDS)  # a lower rank is stalled too and reports; give it time
+        if not missing:
+            missing = ["none: every rank waits here, so one of them has not reached its part of it"]
+        sys.stderr.write(
+            f"hvdtrain: error: the job stalled: rank {rank} waited {time.time() - mine.since:.0f} s in "
+            f"{mine.collective} at {mine.where} (train.stall_timeout {self.timeout:g} s); not there: "
+            f"{', '.join(missing)}. Every rank must run the same collectives; raise train.stall_timeout "
+            "if a step can take that long\n")
+        sys.stderr.flush()
+        os._exit(1)  # the training thread is blocked inside Horovod; nothing else would end it

@@ -1,0 +1,135 @@
+"""Elastic training for real: horovodrun's elastic driver, workers on SSH loopback hosts.
+
+Horovod drops the whole *host* of a failed worker, so the workers run on separate
+loopback addresses (127.0.0.2 to .5) of this machine, one slot each, reached through
+an sshd of the test's own. The host list comes from launch/discover-hosts.sh reading a
+hostfile that the test edits while the job runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, fit_under, launch_env, requires_launchers, requires_sshd, sshd
+
+HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
+FIRST_HOSTS, LOST_HOST, NEW_HOST = HOSTS[:3], HOSTS[2], HOSTS[3]
+EPOCHS = 20
+
+pytestmark = [pytest.mark.multiprocess, requires_launchers, requires_sshd]
+
+
+@pytest.fixture(scope="module")
+def ssh_hosts(tmp_path_factory):
+    with sshd(HOSTS, tmp_path_factory.mktemp("elastic") / "ssh") as (port, key):
+        yield port, key
+
+
+def start_elastic(ssh_hosts, hostfile: Path, run_dir: Path) -> subprocess.Popen:
+    port, key = ssh_hosts
+    command = [
+        "horovodrun", "--gloo", "-np", "3", "--min-np", "2", "--max-np", "3",
+        "--host-discovery-script", str(ROOT / "launch" / "discover-hosts.sh"), "-p", str(port), "-i", str(key),
+        "--start-timeout", "60",
+        # About 50 ms per step, so that the test can act mid-epoch; a commit every 2 steps.
+        "hvdtrain", "fit", "--elastic", "--model", "user_code:paced_mlp", "--epochs", str(EPOCHS),
+        "--threads", "1", "--progress", "off", "--set", "train.commit_every=2", "--run-dir", str(run_dir),
+    ]
+    env = {**launch_env(), "HOSTFILE": str(hostfile)}
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def write_hosts(path: Path, hosts: tuple[str, ...]) -> None:
+    path.write_text("".join(f"{host} slots=1\n" for host in hosts))
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def worker_on(host: str) -> int:
+    """The pid of the hvdtrain worker that horovodrun started on `host`."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"python" in cmdline[0] and f"HOROVOD_HOSTNAME={host}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no worker found on {host}")
+
+
+def finish(job: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        out, err = job.communicate()
+        pytest.fail(f"elastic job hung:\n{out[-3000:]}\n{err[-3000:]}")
+    return job.returncode, out, err
+
+
+def test_a_lost_worker_is_survived_and_a_new_one_joins(ssh_hosts, tmp_path):
+    hostfile = tmp_path / "hosts"
+
+    # The undisturbed run to compare with: the same three workers throughout.
+    write_hosts(hostfile, FIRST_HOSTS)
+    calm_dir = tmp_path / "calm"
+    code, out, err = finish(start_elastic(ssh_hosts, hostfile, calm_dir), timeout=240)
+    assert code == 0, out[-2000:] + err[-3000:]
+    calm = records(calm_dir)
+    assert {r["world_size"] for r in calm} == {3}
+
+    write_hosts(hostfile, FIRST_HOSTS)
+    run_dir = tmp_path / "disturbed"
+    job = start_elastic(ssh_hosts, hostfile, run_dir)
+    wait_for(lambda: len(records(run_dir)) >= 3, 120, "epoch 3")
+    time.sleep(0.17)  # into epoch 4, past its first commit (2 of its 7 steps take 100 ms)
+    os.kill(worker_on(LOST_HOST), signal.SIGKILL)
+    wait_for(lambda: any(r["world_size"] == 2 for r in records(run_dir)), 120, "an epoch with 2 workers")
+    write_hosts(hostfile, (*FIRST_HOSTS, NEW_HOST))  # a new slot: a worker starts there and joins
+    code, out, err = finish(job, timeout=240)
+    assert code == 0, out[-2000:] + err[-3000:]
+
+    disturbed = records(run_dir)
+    # Every epoch once, in order; three workers, then two, then three again.
+    assert [r["epoch"] for r in disturbed] == list(range(1, EPOCHS + 1))
+    sizes = [r["world_size"] for r in disturbed]
+    changes = [size for i, size in enumerate(sizes) if i == 0 or size != sizes[i - 1]]
+    assert changes == [3, 2, 3], sizes
+    # Rolled back to a commit inside epoch 4, not to its start.
+    assert "elastic: 2 processes now (were 3); going on from epoch 4, sample " in out
+    resumed_at = int(out.split("going on from epoch 4, sample ")[1].split()[0])
+    assert resumed_at > 0, out
+    assert "elastic: 3 processes now (were 2)" in out
+    final, reference = disturbed[-1]["val_acc"], calm[-1]["val_acc"]
+    print(f"world sizes {sizes}; resumed at sample {resumed_at}; val_acc {final:.4f} against {reference:.4f}")
+    assert abs(final - reference) <= 0.01, (final, reference)
+    assert json.loads((run_dir / "summary.json").read_text())["val_acc"] == final
+
+
+def test_elastic_without_the_elastic_launcher_is_one_clear_line(tmp_path):
+    done = fit_under("horovodrun-gloo", "--elastic", "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "hvdtrain: error:" in line]
+    assert len(errors) == 1 and "--elastic needs processes started by horovodrun in elastic mode" in errors[0]
+    assert not (tmp_path / "run").exists()
