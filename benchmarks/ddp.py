@@ -26,5 +26,6 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size, momentum=0.9)
 
 rate = timed_epochs(model, optimizer, loader, epochs, len(loader) * BATCH * size, sampler)
 if rank == 0:
-    print(json.dumps({"samples_per_s": rate}))
+    print(json.dumps({"samples_per_s": rate}), flush=True)
+dist.barrier()  # both ranks done before teardown; without it Gloo's teardown sometimes aborts a rank
 dist.destroy_process_group()

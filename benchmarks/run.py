@@ -1,6 +1,6 @@
 """`make bench`: hvdtrain against what users would run instead, side by side.
 
-    python benchmarks/run.py [--repeats 3] [--epochs 3]
+    python benchmarks/run.py [--repeats 5] [--epochs 3]
 
 Same model, data, per-process batch (64) and threads (1 per process on 2 processes,
 every core for the single process). Contenders run in alternating order, several
@@ -71,7 +71,7 @@ def machine() -> dict[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--sampler-size", type=int, default=10**8)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results.json"))

@@ -51,6 +51,8 @@ CASES = {
                                "the training set has 16 samples, fewer than one optimizer step needs"),
     "resume and overwrite": (["--resume", "--overwrite"], "exclude each other"),
     "unknown flag": (["--epochz", "3"], "No such option '--epochz'. (Did you mean one of: '--epochs'"),
+    "elastic without its launcher": (["--elastic"], "--elastic needs processes started by horovodrun in elastic mode"),
+    "negative stall timeout": (["--set", "train.stall_timeout=-5"], "config key 'train.stall_timeout' must be 0 (off) or more"),
 }
 
 
