@@ -58,6 +58,8 @@ class KeyValueBoard:
 
     def __init__(self, address: str, port: str):
         self.url = f"http://{address}:{port}/{_SCOPE}"
+        # The server is horovodrun's own, on the cluster's network: never through a proxy.
+        self._open = urllib.request.build_opener(urllib.request.ProxyHandler({})).open
 
     @classmethod
     def from_environment(cls) -> "KeyValueBoard | None":
@@ -67,11 +69,11 @@ class KeyValueBoard:
     def publish(self, rank: int, activity: Activity) -> None:
         body = json.dumps(asdict(activity)).encode()
         request = urllib.request.Request(f"{self.url}/{rank}", data=body, method="PUT")
-        urllib.request.urlopen(request, timeout=5).close()
+        self._open(request, timeout=5).close()
 
     def read(self, rank: int) -> Activity | None:
         try:
-            with urllib.request.urlopen(f"{self.url}/{rank}", timeout=5) as response:
+            with self._open(f"{self.url}/{rank}", timeout=5) as response:
                 return Activity(**json.loads(response.read()))
         except OSError:  # never published, or the server is gone
             return None
