@@ -138,7 +138,9 @@ def _from_factory(cfg: DataConfig, seed: int) -> DataSplit:
         )
     for part, name in ((train, "train"), (val, "val")):
         if not hasattr(part, "__getitem__") or not hasattr(part, "__len__"):
-            raise UserError(f"data factory '{cfg.name}': its {name} set is not a map-style Dataset (needs __getitem__ and __len__)")
+            raise UserError(f"data factory '{cfg.name}': its {name} set is not a map-style Dataset (needs __getitem__ "
+                            "and __len__): hvdtrain shards by index so that every rank gets the same number of "
+                            "batches; return a map-style Dataset (an IterableDataset cannot be sharded evenly)")
     if len(train) == 0 or len(val) == 0:
         raise UserError(f"data factory '{cfg.name}' gave an empty {'train' if len(train) == 0 else 'val'} set")
     sample = train[0]

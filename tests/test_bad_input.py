@@ -52,6 +52,7 @@ CASES = {
     "resume and overwrite": (["--resume", "--overwrite"], "exclude each other"),
     "unknown flag": (["--epochz", "3"], "No such option '--epochz'. (Did you mean one of: '--epochs'"),
     "elastic without its launcher": (["--elastic"], "--elastic needs processes started by horovodrun in elastic mode"),
+    "iterable data set": (["--data", "user_code:stream"], "its train set is not a map-style Dataset"),
     "negative stall timeout": (["--set", "train.stall_timeout=-5"], "config key 'train.stall_timeout' must be 0 (off) or more"),
 }
 

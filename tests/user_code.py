@@ -139,3 +139,15 @@ def stuck_on_rank_1(input_shape, num_classes):
     from hvdtrain.models import build_model
 
     return _StuckOnRank1(build_model(ModelConfig(name="mlp"), input_shape, num_classes))
+
+
+def stream():
+    """An IterableDataset: each rank would read its own, unsized stream."""
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            for _ in range(100):
+                yield torch.randn(4), torch.tensor(0)
+
+    return Stream(), Stream()
