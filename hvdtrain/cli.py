@@ -83,7 +83,7 @@ def fit(config_path: str | None, assignments: Sequence[str], engine: str | None,
     from hvdtrain.trainer import fit as run_fit
 
     run_engine = start_engine(config.train.engine, config.train.device, config.train.threads,
-                              config.train.stall_timeout)
+                              config.train.stall_timeout, config.train.keep_freed_memory)
     try:
         run_fit(config, run_engine)
     except Exception as err:

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from hvdtrain import host_memory
 from hvdtrain.engine.base import Engine, GradientSync, RankFailed
 from hvdtrain.engine.local import LocalEngine
 from hvdtrain.errors import UserError
@@ -39,12 +40,15 @@ def launcher_rank() -> int | None:
     return None
 
 
-def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, stall_timeout: int = 300) -> Engine:
+def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, stall_timeout: int = 300,
+                 keep_freed_memory: bool = True) -> Engine:
     """Starts Horovod when a launcher started us (or when asked), else a local engine.
 
     dist: sets this process's device (cuda:<local rank>) and thread count (cores
     divided among the processes on this host) before any tensor work.
     """
+    if keep_freed_memory:
+        host_memory.keep_freed_memory()
     use_horovod = kind == "horovod" or (kind == "auto" and launcher_rank() is not None)
     if not use_horovod:
         engine_device = _pick_device(device, local_rank=0, local_size=1)
