@@ -103,7 +103,7 @@ def test_a_lost_worker_is_survived_and_a_new_one_joins(ssh_hosts, tmp_path):
     run_dir = tmp_path / "disturbed"
     job = start_elastic(ssh_hosts, hostfile, run_dir)
     wait_for(lambda: len(records(run_dir)) >= 3, 120, "epoch 3")
-    time.sleep(0.17)  # into epoch 4, past its first commit (2 of its 7 steps take 100 ms)
+    time.sleep(0.25)  # into epoch 4 (7 steps of at least 50 ms), past its first commit (after step 2)
     os.kill(worker_on(LOST_HOST), signal.SIGKILL)
     wait_for(lambda: any(r["world_size"] == 2 for r in records(run_dir)), 120, "an epoch with 2 workers")
     write_hosts(hostfile, (*FIRST_HOSTS, NEW_HOST))  # a new slot: a worker starts there and joins
