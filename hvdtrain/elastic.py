@@ -40,7 +40,7 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
         start_epoch, step = start_on_root(config, engine, run)
     except Exception as err:  # noqa: BLE001 - reported on every rank by settle
         error = err
-    if run is None or error is not None:
+    if error is not None:
         engine.settle("setup", error)  # dist: pairs with the first step of the others' sync; raises
 
     def before_sync() -> None:

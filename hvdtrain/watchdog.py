@@ -104,17 +104,16 @@ class StallWatchdog:
                 rank = self.rank()
             except ValueError:  # Horovod shut down (or is re-initialising in elastic training)
                 continue
-            snapshot = asdict(self.activity)
-            if snapshot != published:
+            # One copy per pass: the training thread changes the live one meanwhile.
+            current = Activity(**asdict(self.activity))
+            if current != published:
                 with contextlib.suppress(OSError):
-                    self.board.publish(rank, self.activity)
-                    published = snapshot
-            mine = self.activity
-            if mine.collective is not None and time.time() - mine.since > self.timeout:
-                self._stalled(rank)
+                    self.board.publish(rank, current)
+                    published = current
+            if current.collective is not None and time.time() - current.since > self.timeout:
+                self._stalled(rank, current)
 
-    def _stalled(self, rank: int) -> None:
-        mine = Activity(**asdict(self.activity))
+    def _stalled(self, rank: int, mine: Activity) -> None:
         now = time.time()
         others = {other: self.board.read(other) for other in range(self.size()) if other != rank}
         missing = [f"rank {r} ({a.describe() if a else 'never reported'})" for r, a in others.items()

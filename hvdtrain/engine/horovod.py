@@ -154,7 +154,7 @@ class _ElasticState(ObjectState):
                  before_sync: Callable[[], None], **objects: Any):
         self._engine, self._model, self._optimizer = engine, model, optimizer
         self._before_sync = before_sync
-        super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, root_rank=0, name="elastic.state"),
+        super().__init__(bcast_object=lambda obj: engine.broadcast_object(obj, "elastic.state"),
                          get_rank=hvd.rank, **objects)
         self._save_tensors()
 
