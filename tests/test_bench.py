@@ -1,10 +1,11 @@
 """The bench commands' output, run for real (small sizes)."""
 
 import json
+import sys
 
 import pytest
 
-from conftest import LAUNCHERS, requires_launchers, run
+from conftest import LAUNCHERS, ROOT, requires_launchers, run
 from hvdtrain.bench.allreduce import sizes
 from hvdtrain.bench.stats import mean_ci95
 
@@ -69,3 +70,24 @@ def test_bench_train_scaling_under_horovodrun(tmp_path):
     assert result["scaling_efficiency"] == pytest.approx(
         result["samples_per_s_total"] / (2 * result["single_process_samples_per_s"]))
     assert (tmp_path / "t.png").exists()
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+@pytest.mark.timeout(600)
+def test_make_bench_runs_every_contender_and_writes_the_ratios(tmp_path):
+    """benchmarks/run.py, one short repeat: the table, the ratios and results.json (not the figures)."""
+    out = tmp_path / "results.json"
+    done = run([sys.executable, "benchmarks/run.py", "--repeats", "1", "--epochs", "2", "--sampler-size", "100000",
+                "--out", str(out)], timeout=540, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    contenders = result["samples_per_s"]
+    assert len(contenders) == 6 and all(len(rates) == 1 and rates[0] > 0 for rates in contenders.values())
+    assert result["machine"]["controller"] in ("mpi", "gloo")
+    assert [label.split(" (")[0] for label in result["ratios"]] == [
+        "fit / torchrun DDP", "fit / hand-written Horovod loop", "fit / one process all cores",
+        "fit / hand-written loop + hvdtrain's host settings"]
+    assert [row["sampler"] for row in result["sampler"]["rows"]] == ["hvdtrain", "torch"]
+    for name in contenders:
+        assert done.stdout.count(name) == 2  # its run line and its row in the table

@@ -220,3 +220,17 @@ def test_a_rank_stuck_in_its_step_is_named_under_gloo(tmp_path):
     assert len(errors) == 1, done.stderr[-3000:]
     assert "rank 0 waited" in errors[0] and "in the gradient allreduce at epoch 1, training after step 2" in errors[0]
     assert "not there: rank 1 (computing at epoch 1, training after step 2)" in errors[0]
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-mpi", "mpirun"])
+def test_open_mpi_yields_while_it_waits_unless_the_user_says_otherwise(launcher, monkeypatch):
+    """Not busy-polling leaves the cores to the ranks' compute (the figure is in BENCHMARKS.md)."""
+    worker = [*LAUNCHERS[launcher], sys.executable, str(ROOT / "tests/workers/mpi_settings.py"), "mpi_yield_when_idle"]
+    for user_value, held in ((None, 1), ("0", 0)):
+        if user_value is not None:
+            monkeypatch.setenv("OMPI_MCA_mpi_yield_when_idle", user_value)
+        done = run(worker, timeout=60)
+        assert done.returncode == 0, done.stderr[-3000:]
+        reports = [json.loads(line[line.index("{"):]) for line in done.stdout.splitlines() if '"held"' in line]
+        assert sorted(r["rank"] for r in reports) == [0, 1]
+        assert all(r["held"] == {"mpi_yield_when_idle": held} for r in reports), reports
