@@ -1,6 +1,7 @@
 """Real multi-process runs on the CPU: horovodrun (Gloo and MPI) and plain mpirun, 2 processes."""
 
 import json
+import re
 import shutil
 import sys
 import time
@@ -231,6 +232,8 @@ def test_open_mpi_yields_while_it_waits_unless_the_user_says_otherwise(launcher,
             monkeypatch.setenv("OMPI_MCA_mpi_yield_when_idle", user_value)
         done = run(worker, timeout=60)
         assert done.returncode == 0, done.stderr[-3000:]
-        reports = [json.loads(line[line.index("{"):]) for line in done.stdout.splitlines() if '"held"' in line]
+        # horovodrun sometimes glues one rank's output onto another's line: find each report
+        reports = [json.JSONDecoder().raw_decode(done.stdout, found.start())[0]
+                   for found in re.finditer(r'\{"rank"', done.stdout)]
         assert sorted(r["rank"] for r in reports) == [0, 1]
         assert all(r["held"] == {"mpi_yield_when_idle": held} for r in reports), reports
