@@ -95,19 +95,30 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
-def test_training_keeps_freed_host_memory_instead_of_faulting_it_back(tmp_path):
-    """The default saves page faults (the throughput figure is in BENCHMARKS.md)."""
-    faults = {}
-    for keep in ("true", "false"):
+def test_training_steps_reuse_freed_host_memory_instead_of_faulting_it_back(tmp_path):
+    """Once training runs, further steps add (almost) no page faults: freed gradients and
+    activations stay in the heap. Without the setting, glibc's own threshold sometimes lets
+    every step fault about 8 MB back (2,000+ faults a step, BENCHMARKS.md), sometimes not,
+    so the test bounds the default's faults per step rather than comparing with that."""
+    faults, steps = {}, {}
+    for epochs in (1, 3):
+        run_dir = tmp_path / str(epochs)
         done = subprocess.run(
-            [sys.executable, "-c", _COUNT_FAULTS, "fit", "--engine", "local", "--threads", "1", "--epochs", "2",
+            [sys.executable, "-c", _COUNT_FAULTS, "fit", "--engine", "local", "--threads", "1", "--epochs", str(epochs),
              "--data", "benchmarks.jobs:synthetic", "--model", "benchmarks.jobs:small_cnn", "--progress", "off",
-             "--set", f"train.keep_freed_memory={keep}", "--run-dir", str(tmp_path / keep)],
+             "--run-dir", str(run_dir)],
             capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
-        faults[keep] = int(done.stdout.split()[-1])
-    # Two epochs: glibc's own threshold is moved at the first epoch's end (evaluation and
-    # checkpoint), after which each step faults its blocks back: one epoch alone sometimes
-    # showed only 1.5x as many faults without the setting, two epochs 15x.
-    print(f"minor page faults in two epochs: {faults}")
-    assert faults["true"] * 3 < faults["false"], faults
+        faults[epochs] = int(done.stdout.split()[-1])
+        steps[epochs] = json.loads((run_dir / "summary.json").read_text())["steps"]
+    per_step = (faults[3] - faults[1]) / (steps[3] - steps[1])
+    print(f"minor page faults: {faults} for steps {steps}: {per_step:.1f} per further step")
+    assert per_step < 256, (faults, steps)  # under 1 MB of 4 KB pages a step
+
+
+def test_host_memory_setting_takes_effect_and_yields_to_the_users_own(monkeypatch):
+    from hvdtrain import host_memory
+
+    assert host_memory.keep_freed_memory() == (platform.libc_ver()[0] == "glibc")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1048576")
+    assert host_memory.keep_freed_memory() is False
