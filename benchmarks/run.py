@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # horovodrun's own choice by default (MPI when Horovod has it); BENCH_CONTROLLER=--gloo or --mpi forces one.
-CONTROLLER = [flag for flag in [os.environ.get("BENCH_CONTROLLER", "")] if flag]
+CONTROLLER = os.environ.get("BENCH_CONTROLLER", "").split()
 
 FIT, LOOP, DDP, SINGLE = ("hvdtrain fit (horovodrun -np 2)", "hand-written Horovod loop (horovodrun -np 2)",
                           "torchrun DDP, Gloo (--nproc-per-node 2)", "one process, all cores")
@@ -38,8 +38,7 @@ def host_settings() -> dict[str, str]:
     from hvdtrain import host_memory
     from hvdtrain.engine.horovod import MPI_SETTINGS
 
-    return {**MPI_SETTINGS, "MALLOC_MMAP_THRESHOLD_": str(host_memory.MMAP_THRESHOLD),
-            "MALLOC_TRIM_THRESHOLD_": str(host_memory.TRIM_THRESHOLD)}
+    return {**MPI_SETTINGS, **host_memory.AS_ENVIRONMENT}
 
 
 def contenders(epochs: int, run_dir: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
