@@ -63,10 +63,11 @@ def sha256_of(path: Path) -> str:
 
 
 class CheckpointStore:
-    def __init__(self, run_dir: Path, keep_last: int = 3, best_metric: str = "val_acc"):
+    def __init__(self, run_dir: Path, keep_last: int = 3, best_metric: str = "val_loss", maximize: bool = False):
         self.dir = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.best_metric = best_metric
+        self.maximize = maximize
 
     def save(self, state: dict[str, Any], epoch: int, metrics: dict[str, float]) -> Path:
         """Writes epoch `epoch`'s checkpoint and records it (rank 0 only)."""
@@ -77,7 +78,8 @@ class CheckpointStore:
         best = self._best(entries)
         recent = entries[-self.keep_last:]
         kept = sorted(recent + ([] if best in recent else [best]), key=lambda e: e["epoch"])
-        manifest = {"best_metric": self.best_metric, "best": best["file"], "checkpoints": kept}
+        manifest = {"best_metric": self.best_metric, "maximize": self.maximize, "best": best["file"],
+                    "checkpoints": kept}
         text = json.dumps(manifest, indent=2) + "\n"
         atomic_write(self.dir / MANIFEST, lambda handle: handle.write(text.encode()))
         self._link(self.dir / LAST, path)
@@ -136,11 +138,10 @@ class CheckpointStore:
             return []  # unreadable: fall back to loading the files themselves
 
     def _best(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
-        lower_is_better = self.best_metric.endswith("loss")
         scored = [e for e in entries if e.get(self.best_metric) is not None]
         if not scored:
             return entries[-1]
-        sign = 1 if lower_is_better else -1
+        sign = -1 if self.maximize else 1
         # Ties go to the newer checkpoint.
         return min(reversed(scored), key=lambda e: sign * e[self.best_metric])
 

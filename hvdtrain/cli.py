@@ -17,7 +17,7 @@ from hvdtrain.errors import UserError
 
 # Flag name -> config key. Flags left out keep the YAML (or default) value.
 FIT_FLAGS = {
-    "data": "data.name", "batch_size": "data.batch_size", "model": "model.name",
+    "data": "data.name", "batch_size": "data.batch_size", "model": "model.name", "task": "task.name",
     "optimizer": "optim.name", "lr": "optim.lr", "scale_lr": "optim.scale_lr",
     "warmup_epochs": "optim.warmup_epochs", "clip_grad_norm": "optim.clip_grad_norm",
     "epochs": "train.epochs", "seed": "train.seed", "accumulate": "train.accumulate",
@@ -43,6 +43,7 @@ def cli() -> None:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML file; flags override it.")
 @click.option("--data", help="digits, random, FILE.npz or package.module:function.")
 @click.option("--model", help="mlp, cnn or package.module:function.")
+@click.option("--task", help="classification, regression, multilabel, language-model or package.module:function.")
 @click.option("--epochs", type=int)
 @click.option("--batch-size", type=int, help="Per process. dist: global batch = this x world size.")
 @click.option("--lr", type=float, help="For one process; scaled by world size unless --no-scale-lr.")
@@ -270,9 +271,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _report_and_exit(err: Exception, debug: bool) -> None:
     """Exits with one line for a user error or another rank's failure; returns for anything else."""
     from hvdtrain.engine import RankFailed, launcher_rank
+    from hvdtrain.errors import FailedAt
 
     if isinstance(err, UserError):
         _fail(str(err), err.exit_code, debug)
+    if isinstance(err, FailedAt):  # only the failing rank knows why: it says so itself
+        _fail(str(err), err.exit_code, debug, every_rank=True)
     if isinstance(err, RankFailed):
         _fail(str(err), UserError.exit_code if err.kind == "UserError" else 1, debug)
     from hvdtrain.engine.horovod import is_collective_failure
@@ -281,8 +285,8 @@ def _report_and_exit(err: Exception, debug: bool) -> None:
         # Not only rank 0: the rank that sees it says so (the others may be gone already).
         rank = launcher_rank() or 0
         first = str(err).split(". ")[0]
-        _fail(f"rank {rank}: the job stopped in a collective: {first} (the lines above name the cause)", 1,
-              debug, every_rank=True)
+        _fail(f"rank {rank}: the job stopped in a collective: {first} (another rank failed or left: its own "
+              "line, or the launcher's, names it)", 1, debug, every_rank=True)
 
 
 def _fail(message: str, code: int, debug: bool, every_rank: bool = False) -> NoReturn:

@@ -39,6 +39,14 @@ class DataConfig:
     """`random` only: features per sample."""
     classes: int = 10
     """`random` only: number of classes."""
+    num_classes: Optional[int] = None
+    """Classes (or vocabulary size) handed to the model when the data set does not say: a
+    Dataset without a `classes` or `num_classes` attribute whose labels are not held in memory."""
+    collate: Optional[str] = None
+    """How samples become a batch: None (PyTorch's default: stacks tensors, keeps tuples and
+    dicts), `pad` (pads variable-length sequences to the longest in the batch: targets
+    with task.ignore_index, inputs with 0), or `package.module:function` taking a list
+    of samples and returning a batch."""
 
     def __post_init__(self) -> None:
         _require(self.name.strip() != "", "data.name", "must name a data set, e.g. digits")
@@ -48,19 +56,53 @@ class DataConfig:
         _require(self.samples >= 2, "data.samples", f"must be at least 2, got {self.samples}")
         _require(self.features >= 1, "data.features", f"must be at least 1, got {self.features}")
         _require(self.classes >= 2, "data.classes", f"must be at least 2, got {self.classes}")
+        if self.num_classes is not None:
+            _require(self.num_classes >= 1, "data.num_classes", f"must be at least 1, got {self.num_classes}")
+        if self.collate is not None:
+            _require(self.collate == "pad" or ":" in self.collate, "data.collate",
+                     f"must be pad or package.module:function, got '{self.collate}'")
 
 
 @dataclass
 class ModelConfig:
     name: str = "mlp"
-    """Model: `mlp`, `cnn`, or `package.module:function` returning an nn.Module
-    (it may take `input_shape` and `num_classes` keyword arguments)."""
+    """Model: `mlp`, `cnn`, or `package.module:function` returning an nn.Module (it may take
+    `input_shape`, `num_classes` and `num_outputs`, the outputs per sample the task needs)."""
     hidden: int = 128
     """`mlp`: width of the hidden layer; `cnn`: channels of the first convolution."""
 
     def __post_init__(self) -> None:
         _require(self.name.strip() != "", "model.name", "must name a model, e.g. mlp")
         _require(self.hidden >= 1, "model.hidden", f"must be at least 1, got {self.hidden}")
+
+
+@dataclass
+class TaskConfig:
+    name: str = "classification"
+    """What a batch means: `classification` (cross-entropy; accuracy, top-5 accuracy),
+    `regression` (MSE, L1 or Huber; MSE, MAE, R²), `multilabel` (binary cross-entropy per
+    class; exact match, micro-F1), `language-model` (next-token cross-entropy; token
+    accuracy, perplexity), or `package.module:function`: your own loss function or task
+    object (README: Your own task)."""
+    target_key: str = "labels"
+    """Dict batches: the key holding the target (passed to the model too when its forward takes it)."""
+    label_smoothing: float = 0.0
+    """`classification`: label smoothing of the cross-entropy."""
+    ignore_index: int = -100
+    """`classification`, `language-model`: a target with this value is not scored."""
+    regression_loss: Literal["mse", "l1", "huber"] = "mse"
+    """`regression`: the training loss."""
+    huber_delta: float = 1.0
+    """`regression` with the huber loss: where it turns from quadratic to linear."""
+    shift: bool = True
+    """`language-model`: position t predicts target t + 1 (targets are the input ids, as in
+    Hugging Face); false when the data set gives targets already shifted."""
+
+    def __post_init__(self) -> None:
+        _require(self.name.strip() != "", "task.name", "must name a task, e.g. classification")
+        _require(self.target_key != "", "task.target_key", "must not be empty")
+        _require(0.0 <= self.label_smoothing < 1.0, "task.label_smoothing", f"must be in [0, 1), got {self.label_smoothing}")
+        _require(self.huber_delta > 0, "task.huber_delta", f"must be positive, got {self.huber_delta}")
 
 
 @dataclass
@@ -151,8 +193,11 @@ class RunConfig:
     """Write a checkpoint every this many epochs (the last epoch always gets one)."""
     keep_last: int = 3
     """Keep this many newest checkpoints (and the best one as well)."""
-    best_metric: Literal["val_acc", "val_loss"] = "val_acc"
-    """Which checkpoint is kept as best.pt: highest val_acc or lowest val_loss."""
+    best_metric: str = "auto"
+    """The validation metric that picks best.pt, e.g. val_loss or val_f1; `auto`: the task's
+    own (val_acc, val_r2, val_f1, val_perplexity; val_loss for a task of your own)."""
+    best_mode: Literal["auto", "max", "min"] = "auto"
+    """Whether a higher (`max`) or lower (`min`) best_metric is better; `auto`: as the task says."""
     progress: Literal["auto", "bar", "off"] = "auto"
     """Rank 0's progress bar: `auto` shows it when the terminal is interactive."""
 
@@ -160,6 +205,7 @@ class RunConfig:
         _require(self.checkpoint_every >= 1, "run.checkpoint_every", f"must be at least 1, got {self.checkpoint_every}")
         _require(self.keep_last >= 1, "run.keep_last", f"must be at least 1, got {self.keep_last}")
         _require(not (self.resume and self.overwrite), "run.resume", "and run.overwrite exclude each other: pick one")
+        _require(self.best_metric.strip() != "", "run.best_metric", "must name a metric, e.g. val_loss, or be auto")
 
 
 @dataclass
@@ -168,9 +214,23 @@ class Config:
 
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.adasum:
+            # Horovod's Adasum optimizer steps each rank's optimizer inside backward and combines
+            # the updates in step(): there is no moment at which gradients could be unscaled,
+            # clipped or a step taken back.
+            why = "Adasum steps each rank's optimizer inside backward, before"
+            _require(self.train.precision != "fp16", "train.adasum",
+                     f"does not work with precision fp16: {why} the gradient scaler could unscale; use bf16 or 32")
+            _require(self.optim.clip_grad_norm is None, "train.adasum",
+                     f"does not work with optim.clip_grad_norm: {why} gradients could be clipped")
+            _require(self.train.nonfinite == "error", "train.adasum",
+                     "does not work with nonfinite skip: an Adasum step cannot be taken back")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], overrides: dict[str, Any] | None = None) -> "Config":

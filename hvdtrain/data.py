@@ -1,23 +1,28 @@
 """Data sets: the built-ins, `.npz` files and user factories, and how batches reach the loop.
 
-A user's own `torch.utils.data.Dataset` works unchanged (through a factory); data held
-in tensors takes a faster path that gathers a whole batch with one index operation.
+A user's own `torch.utils.data.Dataset` works unchanged (through a factory), whatever
+its samples hold (see hvdtrain.batch); data held in tensors takes a faster path that
+gathers a whole batch with one index operation.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
+
+from hvdtrain.batch import split_batch
 
 from hvdtrain.config import DataConfig
 from hvdtrain.engine import Engine, available_cores
 from hvdtrain.errors import UserError
-from hvdtrain.factory import call_factory, is_factory_path
+from hvdtrain.factory import call_factory, is_factory_path, resolve_factory
 
 BUILT_IN = ("digits", "random")
 
@@ -26,13 +31,25 @@ BUILT_IN = ("digits", "random")
 class DataSplit:
     train: Dataset
     val: Dataset
-    input_shape: tuple[int, ...]
+    input_shape: tuple[int, ...] | None
+    """One sample's input shape; None when the input is not one tensor (several, or a dict)."""
     num_classes: int | None
     """None when it cannot be read off the data (a factory's Dataset without `classes`)."""
+    target_shape: tuple[int, ...] | None = None
+    """One sample's target shape (() for a class label); None when there is none."""
+    held_targets: torch.Tensor | None = None
+    """Every target, when the data set holds them in memory (to check labels once)."""
 
 
-def build_data(cfg: DataConfig, seed: int) -> DataSplit:
+def build_data(cfg: DataConfig, seed: int, target_key: str = "labels") -> DataSplit:
     """The train and validation sets the config names; the same on every rank."""
+    split = _build(cfg, seed, target_key)
+    if cfg.num_classes is not None:  # the user's word wins over what the data suggests
+        split.num_classes = cfg.num_classes
+    return split
+
+
+def _build(cfg: DataConfig, seed: int, target_key: str) -> DataSplit:
     if cfg.name == "digits":
         x, y = _digits()
         return _standardized(_split_tensors(x, y, cfg.val_fraction, seed))
@@ -43,7 +60,7 @@ def build_data(cfg: DataConfig, seed: int) -> DataSplit:
         x, y = _npz(Path(cfg.name))
         return _split_tensors(x, y, cfg.val_fraction, seed)
     if is_factory_path(cfg.name):
-        return _from_factory(cfg, seed)
+        return _from_factory(cfg, seed, target_key)
     raise UserError(
         f"unknown data set '{cfg.name}': use one of {', '.join(BUILT_IN)}, a path to an .npz file, "
         "or package.module:function"
@@ -60,12 +77,49 @@ def data_workers(requested: int, dataset: Dataset, engine: Engine) -> int:
     return max(0, min(4, available_cores() // engine.local_size - 1))
 
 
-def batches(dataset: Dataset, sampler: Sampler[list[int]], num_workers: int, pin_memory: bool) -> Iterable:
+def batches(dataset: Dataset, sampler: Sampler[list[int]] | list[list[int]], num_workers: int, pin_memory: bool,
+            collate: Callable[[list[Any]], Any] | None = None) -> Iterable:
     """Batches in the order `sampler` gives (an iterable that can be re-iterated each epoch)."""
-    if isinstance(dataset, TensorDataset) and num_workers == 0:
+    if isinstance(dataset, TensorDataset) and num_workers == 0 and collate is None:
         return _TensorBatches(dataset.tensors, sampler)
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      persistent_workers=num_workers > 0)
+                      persistent_workers=num_workers > 0, collate_fn=collate)
+
+
+def collate_function(name: str | None, ignore_index: int, target_key: str) -> Callable[[list[Any]], Any] | None:
+    """data.collate: None (PyTorch's default), `pad`, or the user's `package.module:function`."""
+    if name is None:
+        return None
+    if name == "pad":
+        return functools.partial(pad_collate, ignore_index=ignore_index, target_key=target_key)
+    return resolve_factory(name, "collate")
+
+
+def pad_collate(samples: list[Any], ignore_index: int = -100, target_key: str = "labels") -> Any:
+    """A batch of variable-length sequences, each field padded to the longest in the batch.
+
+    Targets (the last element of a tuple sample, the target key of a dict sample) are
+    padded with `ignore_index`, so padding is never scored; inputs with 0. A sample that
+    is one sequence becomes (input padded with 0, target padded with ignore_index), the
+    form the language-model task reads.
+    """
+    first = samples[0]
+    if isinstance(first, dict):
+        return {key: _padded([s[key] for s in samples], ignore_index if key == target_key else 0) for key in first}
+    if isinstance(first, (tuple, list)):
+        last = len(first) - 1
+        return tuple(_padded([s[i] for s in samples], ignore_index if i == last and last > 0 else 0)
+                     for i in range(len(first)))
+    return _padded(samples, 0), _padded(samples, ignore_index)
+
+
+def _padded(values: list[Any], pad_value: int) -> Any:
+    if not all(isinstance(v, (torch.Tensor, np.ndarray)) for v in values):
+        return default_collate(values)
+    tensors = [torch.as_tensor(v) for v in values]
+    if all(t.shape == tensors[0].shape for t in tensors):
+        return torch.stack(tensors)
+    return pad_sequence(tensors, batch_first=True, padding_value=pad_value)
 
 
 class _TensorBatches:
@@ -118,14 +172,16 @@ def _npz(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         raise UserError(f"data file '{path}' is not a readable .npz file ({err}): write it with np.savez") from err
     if len(x) != len(y):
         raise UserError(f"data file '{path}': x has {len(x)} samples but y has {len(y)}: they must match")
-    if not np.issubdtype(y.dtype, np.integer):
-        raise UserError(f"data file '{path}': y must hold integer class labels, got dtype {y.dtype}")
+    if not (np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_):
+        raise UserError(f"data file '{path}': y must hold class labels or numbers, got dtype {y.dtype}")
     if not np.issubdtype(x.dtype, np.number):
         raise UserError(f"data file '{path}': x must be numeric, got dtype {x.dtype}")
-    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(y.astype(np.int64))
+    # Integer labels stay integers (classification); anything else becomes float32 (regression, multilabel).
+    targets = y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else np.ascontiguousarray(y, dtype=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(targets)
 
 
-def _from_factory(cfg: DataConfig, seed: int) -> DataSplit:
+def _from_factory(cfg: DataConfig, seed: int, target_key: str) -> DataSplit:
     made = call_factory(cfg.name, "data set", {})
     if isinstance(made, tuple) and len(made) == 2:
         train, val = made
@@ -143,10 +199,31 @@ def _from_factory(cfg: DataConfig, seed: int) -> DataSplit:
                             "batches; return a map-style Dataset (an IterableDataset cannot be sharded evenly)")
     if len(train) == 0 or len(val) == 0:
         raise UserError(f"data factory '{cfg.name}' gave an empty {'train' if len(train) == 0 else 'val'} set")
-    sample = train[0]
-    if not isinstance(sample, (tuple, list)) or len(sample) < 2:
-        raise UserError(f"data factory '{cfg.name}': samples must be (input, label) pairs, got {type(sample).__name__}")
-    return DataSplit(train, val, tuple(torch.as_tensor(sample[0]).shape), _num_classes(train, val))
+    inputs, target = split_batch(train[0], target_key)
+    return DataSplit(train, val, _shape_of(inputs), _num_classes(train, val), _shape_of(target),
+                     _held_targets(train, val))
+
+
+def _shape_of(value: Any) -> tuple[int, ...] | None:
+    """The shape of a tensor-like value (a number has shape ()); None for anything else."""
+    if isinstance(value, (torch.Tensor, np.ndarray, int, float)) and not isinstance(value, bool):
+        return tuple(torch.as_tensor(value).shape)
+    return None
+
+
+def _held_targets(*datasets: Dataset) -> torch.Tensor | None:
+    """Every target of data sets that hold them in tensors (a TensorDataset, or `targets`)."""
+    held = []
+    for dataset in datasets:
+        base = getattr(dataset, "dataset", dataset)  # through a Subset: the whole set, a superset
+        found = base.tensors[-1] if isinstance(base, TensorDataset) and len(base.tensors) > 1 else getattr(base, "targets", None)
+        if found is None:
+            return None
+        try:
+            held.append(torch.as_tensor(found).reshape(-1))
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    return torch.cat(held) if held else None
 
 
 def _num_classes(*datasets: Dataset) -> int | None:
@@ -158,7 +235,7 @@ def _num_classes(*datasets: Dataset) -> int | None:
             return int(base.num_classes)
         if hasattr(base, "classes"):
             return len(base.classes)
-        held = base.tensors[1] if isinstance(base, TensorDataset) and len(base.tensors) > 1 else getattr(base, "targets", None)
+        held = base.tensors[-1] if isinstance(base, TensorDataset) and len(base.tensors) > 1 else getattr(base, "targets", None)
         if held is not None:
             held = torch.as_tensor(held)
             if held.dtype.is_floating_point or held.numel() == 0:
@@ -176,11 +253,14 @@ def _split_tensors(x: torch.Tensor, y: torch.Tensor, val_fraction: float, seed: 
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     n_val = min(len(x) - 1, max(1, round(len(x) * val_fraction)))
     val_idx, train_idx = order[:n_val], order[n_val:]
+    labels = not (y.is_floating_point() or y.dtype == torch.bool)
     return DataSplit(
         TensorDataset(x[train_idx], y[train_idx]),
         TensorDataset(x[val_idx], y[val_idx]),
         tuple(x.shape[1:]),
-        int(y.max()) + 1,
+        int(y.max()) + 1 if labels else None,
+        tuple(y.shape[1:]),
+        y,
     )
 
 

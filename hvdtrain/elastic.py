@@ -22,8 +22,8 @@ from hvdtrain.config import Config
 from hvdtrain.engine import Engine
 from hvdtrain.engine.base import ElasticState
 from hvdtrain.progress import bar_stream, say
-from hvdtrain.trainer import (Run, Totals, build, check_same_data, finish, open_run_files, run_epoch, shard,
-                              start_on_root)
+from hvdtrain.trainer import (Run, Totals, build, check_same_data, check_task, finish, open_run_files, run_epoch,
+                              shard, start_on_root)
 
 
 def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any]:
@@ -37,6 +37,7 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
     try:
         run = build(config, engine)
         shard(run, config, engine)  # the same checks as without --elastic
+        check_task(run, config, engine)
         start_epoch, step = start_on_root(config, engine, run)
     except Exception as err:  # noqa: BLE001 - reported on every rank by settle
         error = err
@@ -75,7 +76,7 @@ def _train(state: ElasticState, run: Run, config: Config, engine: Engine, starte
     totals = Totals(started, state.start_epoch, record=state.record,
                     train_seconds=state.train_seconds, train_samples=state.train_samples)
     files = open_run_files(config, engine, run, run_dir, state.epoch)
-    store = CheckpointStore(run_dir, config.run.keep_last, config.run.best_metric)
+    store = CheckpointStore(run_dir, config.run.keep_last, *run.best)
     stream = bar_stream(config.run.progress) if engine.is_root else None
     for epoch in range(state.epoch + 1, config.train.epochs + 1):
         first_step, first_position = state.step, state.position
@@ -90,7 +91,7 @@ def _train(state: ElasticState, run: Run, config: Config, engine: Engine, starte
         state.epoch, state.step, state.position, state.record = epoch, step, 0, totals.record
         state.train_seconds, state.train_samples = totals.train_seconds, totals.train_samples
         commit(state, run)
-    return finish(config, engine, run_dir, totals, files)
+    return finish(config, engine, run, run_dir, totals, files)
 
 
 def commit(state: ElasticState, run: Run) -> None:

@@ -1,4 +1,4 @@
-"""The one exception type for mistakes a user can fix.
+"""The exception types for mistakes a user can fix, and where in their code one happened.
 
 A `UserError` ends the run with one line from rank 0 and exit status 2; anything
 else is a bug or a failure of the machine and keeps its traceback.
@@ -15,3 +15,29 @@ class TrainingStopped(UserError):
     """Training cannot go on (a non-finite loss, say): one line, exit status 1, checkpoints kept."""
 
     exit_code = 1
+
+
+class FailedAt(Exception):
+    """The user's code (a Dataset, the model, the task) raised on this rank mid-run: one line from
+    this rank naming where, exit status 1. The original exception is its __cause__."""
+
+    exit_code = 1
+
+
+def where(err: BaseException) -> str:
+    """` (file:line in function)` of the innermost frame in the user's own code; "" when none is."""
+    import traceback
+
+    own = [f for f in traceback.extract_tb(err.__traceback__) if not _library_file(f.filename)]
+    return f" ({own[-1].filename}:{own[-1].lineno} in {own[-1].name})" if own else ""
+
+
+def _library_file(filename: str) -> bool:
+    """hvdtrain's, torch's and the standard library's own files."""
+    import sysconfig
+    from pathlib import Path
+
+    import torch
+
+    roots = [Path(__file__).parent, Path(torch.__file__).parent, Path(sysconfig.get_paths()["stdlib"])]
+    return any(root in Path(filename).parents for root in roots)

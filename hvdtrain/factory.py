@@ -17,7 +17,7 @@ def is_factory_path(text: str) -> bool:
     return bool(sep and module and function)
 
 
-def resolve_factory(path: str, what: str) -> Callable[..., Any]:
+def resolve_factory(path: str, what: str, require_callable: bool = True) -> Callable[..., Any]:
     """Imports `package.module:function`; a clear error when it does not import."""
     if not is_factory_path(path):
         raise UserError(f"{what} factory '{path}' must look like package.module:function")
@@ -35,17 +35,25 @@ def resolve_factory(path: str, what: str) -> Callable[..., Any]:
         if not hasattr(target, part):
             raise UserError(f"{what} factory '{path}': '{module_name}' has no attribute '{attribute}'")
         target = getattr(target, part)
-    if not callable(target):
+    if require_callable and not callable(target):
         raise UserError(f"{what} factory '{path}' is not callable")
     return target
 
 
-def call_factory(path: str, what: str, offered: dict[str, Any]) -> Any:
-    """Imports and calls a factory with those of the offered keyword arguments it accepts."""
+def call_factory(path: str, what: str, offered: dict[str, Any], unknown: dict[str, str] | None = None) -> Any:
+    """Imports and calls a factory with those of the offered keyword arguments it accepts.
+
+    An offered value of None is not passed (the factory's default applies); when the
+    factory requires it, the error says why it is unknown: `unknown[name]`.
+    """
     factory = resolve_factory(path, what)
     parameters = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    kwargs = {k: v for k, v in offered.items() if takes_any or k in parameters}
+    for name, why in (unknown or {}).items():
+        parameter = parameters.get(name)
+        if offered.get(name) is None and parameter is not None and parameter.default is inspect.Parameter.empty:
+            raise UserError(f"{what} factory '{path}' takes {name}, but {why}")
+    kwargs = {k: v for k, v in offered.items() if v is not None and (takes_any or k in parameters)}
     try:
         return factory(**kwargs)
     except Exception as err:

@@ -1,21 +1,25 @@
 """The training loop as plain functions of model, optimizer, batches and engine.
 
-No Horovod here: the engine does every collective. Losses are accumulated as tensors
-and read once per epoch, so the loop never waits on the device for a metric.
+No Horovod here: the engine does every collective, and no loss or metric either: the
+task says what a batch means. Losses are accumulated as tensors and read once per
+epoch, so the loop never waits on the device for a metric.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hvdtrain.batch import batch_size, to_device
 from hvdtrain.engine import Engine
+from hvdtrain.metrics import MetricSums
 from hvdtrain.precision import FP32, Precision
+from hvdtrain.tasks import Task, batch_metrics, training_loss
+from hvdtrain.tasks.check import Template
 
 # float32 needs no autocast and no scaler, so one instance serves every device.
 FULL_PRECISION = Precision(FP32, torch.device("cpu"))
@@ -44,12 +48,16 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, engine: 
     gradients hold NaN or Inf. They are the same on every rank after the allreduce,
     and a NaN on one rank reaches all, so every rank decides the same way.
     """
-    engine.synchronize(optimizer)  # dist: gradients are now the average over ranks
-    precision.unscale(optimizer)
+    if not engine.synchronize(optimizer):
+        # Adasum: each rank stepped on its own gradients during backward and `step` combines
+        # the updates, so only the combined weights are the same everywhere: check those.
+        precision.step(optimizer)
+        optimizer.zero_grad()
+        return not check_finite or _all_finite([p.detach() for p in model.parameters()])
+    precision.unscale(optimizer)  # dist: gradients are now the average over ranks
     finite = True
     if check_finite and precision.scaler is None:  # the fp16 scaler makes this check itself
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        finite = bool(torch.stack(torch._foreach_norm(grads)).isfinite().all()) if grads else True
+        finite = _all_finite([p.grad for p in model.parameters() if p.grad is not None])
     if finite:
         if clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
@@ -59,16 +67,20 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, engine: 
     return finite
 
 
-def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                     precision: Precision = FULL_PRECISION, accumulate: int = 1) -> torch.Tensor:
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    return bool(torch.stack(torch._foreach_norm(tensors)).isfinite().all()) if tensors else True
+
+
+def forward_backward(model: nn.Module, task: Task, batch: Any, precision: Precision = FULL_PRECISION,
+                     accumulate: int = 1) -> torch.Tensor:
     """One (micro-)batch's loss and backward pass; returns the loss, detached."""
     with precision.autocast():
-        loss = F.cross_entropy(model(inputs), targets)
+        loss = training_loss(task, model, batch)
     precision.backward(loss / accumulate)  # dist: Horovod allreduces after `accumulate` passes
     return loss.detach()
 
 
-def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engine, batches: Iterable,
+def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engine, task: Task, batches: Iterable,
                 *, first_step: int, learning_rate: Callable[[int], float], accumulate: int = 1,
                 clip_grad_norm: Optional[float] = None, precision: Precision = FULL_PRECISION,
                 channels_last: bool = False, nonfinite: str = "error",
@@ -80,22 +92,26 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engi
     samples = kept = skipped = 0
     step = first_step
     window_losses: list[torch.Tensor] = []  # this step's micro-batch losses, to name a bad rank
-    for index, (inputs, targets) in enumerate(batches):
-        inputs, targets = to_device(inputs, targets, device, channels_last)
-        loss = forward_backward(model, inputs, targets, precision, accumulate)
-        window_losses.append(loss * len(targets))
-        samples += len(targets)
-        if (index + 1) % accumulate == 0:
+    window_samples = 0
+    for index, batch in enumerate(batches):
+        if index % accumulate == 0:  # before the forward: Adasum steps inside backward
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step)
+        batch = to_device(batch, device, channels_last)
+        size = batch_size(batch)
+        loss = forward_backward(model, task, batch, precision, accumulate)
+        window_losses.append(loss * size)
+        window_samples += size
+        if (index + 1) % accumulate == 0:
             if apply_gradients(model, optimizer, engine, clip_grad_norm, precision, check_finite=True):
                 loss_sum += torch.stack(window_losses).sum()
-                kept += len(targets) * accumulate
+                kept += window_samples
             elif nonfinite == "skip":
                 skipped += 1
             else:
                 _stop_on_nonfinite(engine, step, torch.stack(window_losses).sum())
-            window_losses = []
+            samples += window_samples
+            window_losses, window_samples = [], 0
             step += 1
             if on_step is not None:
                 on_step(step, loss)
@@ -118,34 +134,23 @@ def _stop_on_nonfinite(engine: Engine, step: int, local_loss: torch.Tensor) -> N
 
 @dataclass
 class EvalResult:
-    loss: float
-    accuracy: float
+    metrics: dict[str, float]
+    """Each metric the task reports (`loss` always), over every validation sample."""
     samples: int
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, engine: Engine, batches: Iterable, precision: Precision = FULL_PRECISION,
-             channels_last: bool = False) -> EvalResult:
-    """Loss and accuracy over every validation sample, each counted once across ranks."""
+def evaluate(model: nn.Module, engine: Engine, task: Task, batches: Iterable, template: Template,
+             precision: Precision = FULL_PRECISION, channels_last: bool = False) -> EvalResult:
+    """The task's metrics over every validation sample, each counted once across ranks."""
     model.eval()
-    device = engine.device
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    for inputs, targets in batches:
-        inputs, targets = to_device(inputs, targets, device, channels_last)
+    sums = MetricSums(engine.device, {**template, "_samples": (torch.Size(), torch.Size())})
+    for batch in batches:
+        batch = to_device(batch, engine.device, channels_last)
+        size = batch_size(batch)
         with precision.autocast():
-            logits = model(inputs)
-        totals[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
-        totals[1] += (logits.argmax(dim=1) == targets).sum()
-        totals[2] += len(targets)
-    totals = engine.allreduce_sum(totals.cpu(), "eval")  # dist: sums, so the mean is exact
-    count = int(totals[2])
-    return EvalResult(float(totals[0]) / max(1, count), float(totals[1]) / max(1, count), count)
-
-
-def to_device(inputs: torch.Tensor, targets: torch.Tensor, device: torch.device,
-              channels_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asynchronous copies (the batches come from pinned memory on GPUs)."""
-    inputs = inputs.to(device, non_blocking=True)
-    if channels_last and inputs.dim() == 4:
-        inputs = inputs.contiguous(memory_format=torch.channels_last)
-    return inputs, targets.to(device, non_blocking=True)
+            output, target = task.forward(model, batch)
+            metrics = batch_metrics(task, output, target, size)
+        sums.add({**metrics, "_samples": (size, 1)})
+    totals = sums.reduce(engine, "eval")  # dist: sums, so every sample counts exactly once
+    return EvalResult(task.summarize(totals), int(totals["_samples"][0]))

@@ -14,17 +14,32 @@ from hvdtrain.factory import call_factory, is_factory_path
 BUILT_IN = ("mlp", "cnn")
 
 
-def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int | None) -> nn.Module:
-    """The model the config names; call it with the same seed on every rank."""
+def build_model(cfg: ModelConfig, input_shape: tuple[int, ...] | None, num_classes: int | None,
+                num_outputs: int | None = None) -> nn.Module:
+    """The model the config names; call it with the same seed on every rank.
+
+    `num_outputs` is what the task needs per sample (classes, target values, labels);
+    it defaults to `num_classes`.
+    """
+    num_outputs = num_classes if num_outputs is None else num_outputs
     if cfg.name in BUILT_IN:
-        if num_classes is None:
+        if num_outputs is None:
             raise UserError(
-                f"model '{cfg.name}' needs the number of classes: give your data set a `classes` "
-                "or `num_classes` attribute, or use a model factory"
+                f"model '{cfg.name}' needs the number of outputs, and the data set does not say how many classes "
+                "it has: set data.num_classes (--set data.num_classes=N), give your Dataset a `classes` or "
+                "`num_classes` attribute, or use a model factory"
             )
-        return mlp(input_shape, num_classes, cfg.hidden) if cfg.name == "mlp" else cnn(input_shape, num_classes, cfg.hidden)
+        if input_shape is None:
+            raise UserError(f"model '{cfg.name}' needs samples whose input is one tensor: for several or named "
+                            "inputs use a model factory (package.module:function)")
+        return mlp(input_shape, num_outputs, cfg.hidden) if cfg.name == "mlp" else cnn(input_shape, num_outputs, cfg.hidden)
     if is_factory_path(cfg.name):
-        made = call_factory(cfg.name, "model", {"input_shape": input_shape, "num_classes": num_classes})
+        unknown_count = ("the data set does not say how many classes it has: set data.num_classes "
+                         "(--set data.num_classes=N), or give your Dataset a `classes` or `num_classes` attribute")
+        made = call_factory(cfg.name, "model",
+                            {"input_shape": input_shape, "num_classes": num_classes, "num_outputs": num_outputs},
+                            unknown={"num_classes": unknown_count, "num_outputs": unknown_count,
+                                     "input_shape": "the samples' input is not one tensor"})
         if not isinstance(made, nn.Module):
             raise UserError(f"model factory '{cfg.name}' returned {type(made).__name__}: return a torch.nn.Module")
         return made

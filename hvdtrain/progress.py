@@ -55,11 +55,11 @@ class EpochProgress:
 
 
 def epoch_line(record: dict[str, Any]) -> str:
-    return (
-        f"epoch {record['epoch']}/{record['epochs']}  train_loss {record['train_loss']:.4f}  "
-        f"val_loss {record['val_loss']:.4f}  val_acc {record['val_acc']:.4f}  "
-        f"{record['train_samples_per_s']:,.0f} samples/s  {record['elapsed_s']:.1f}s"
-    )
+    """Rank 0's line per epoch: the training loss and every validation metric."""
+    metrics = "  ".join(f"{key} {value:.4f}" for key, value in record.items()
+                        if key == "train_loss" or (key.startswith("val_") and key != "val_samples"))
+    return (f"epoch {record['epoch']}/{record['epochs']}  {metrics}  "
+            f"{record['train_samples_per_s']:,.0f} samples/s  {record['elapsed_s']:.1f}s")
 
 
 def say(message: str) -> None:

@@ -81,6 +81,16 @@ class RunFiles:
         text = "".join(line + "\n" for line in kept)
         atomic_write(path, lambda handle: handle.write(text.encode()))
 
+    def best_record(self, key: str, higher_is_better: bool) -> dict[str, Any]:
+        """The epoch record with the best `key` in metrics.jsonl (ties: the later epoch)."""
+        path = self.path / "metrics.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+        scored = [r for r in records if isinstance(r.get(key), (int, float)) and r[key] == r[key]]  # not NaN
+        if not scored:
+            return {}
+        sign = 1 if higher_is_better else -1
+        return max(reversed(scored), key=lambda r: sign * r[key])
+
     def write_summary(self, summary: dict[str, Any]) -> None:
         text = json.dumps(summary, indent=2) + "\n"
         atomic_write(self.path / "summary.json", lambda handle: handle.write(text.encode()))

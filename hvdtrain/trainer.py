@@ -19,11 +19,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from hvdtrain.batch import to_device
 from hvdtrain.checkpoint import CheckpointStore
 from hvdtrain.config import Config
-from hvdtrain.data import DataSplit, batches, build_data, data_workers
-from hvdtrain.engine import Engine, GradientSync
-from hvdtrain.errors import UserError
+from hvdtrain.data import DataSplit, batches, build_data, collate_function, data_workers
+from hvdtrain.engine import Engine, GradientSync, RankFailed
+from hvdtrain.errors import FailedAt, UserError, where
 from hvdtrain.loop import evaluate, train_epoch
 from hvdtrain.models import build_model
 from hvdtrain.precision import Precision
@@ -31,6 +32,8 @@ from hvdtrain.progress import EpochProgress, bar_stream, epoch_line, say
 from hvdtrain.run_dir import RunFiles, prepare_run_dir
 from hvdtrain.sampler import EvalShardSampler, ShardedBatchSampler
 from hvdtrain.schedule import LearningRate
+from hvdtrain.tasks import Task, build_task
+from hvdtrain.tasks.check import FirstBatch, best_metric, check_first_batch
 
 
 @dataclass
@@ -39,10 +42,16 @@ class Run:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
+    task: Task
     split: DataSplit
     precision: Precision
     run_dir: Path | None  # rank 0 only
     workers: int = 0
+    collate: Any = None
+    # Set by `check_task`:
+    first: FirstBatch | None = None
+    best: tuple[str, bool] = ("val_loss", False)
+    """(record key of run.best_metric, whether higher is better)."""
     # Set by `shard`, again whenever the world size changes (elastic training):
     train_sampler: ShardedBatchSampler | None = None
     train_batches: Any = None
@@ -63,6 +72,7 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
     with engine.agree("setup"):  # dist: a failure on any rank stops all of them here
         run = build(config, engine)
         shard(run, config, engine)
+        check_task(run, config, engine)
     with engine.agree("data"):
         check_same_data(engine, run)
     with engine.agree("resume"):
@@ -75,11 +85,11 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
 
     totals = Totals(started, start_epoch)
     files = open_run_files(config, engine, run, run_dir, start_epoch)
-    store = CheckpointStore(run_dir, config.run.keep_last, config.run.best_metric)
+    store = CheckpointStore(run_dir, config.run.keep_last, *run.best)
     stream = bar_stream(config.run.progress) if engine.is_root else None  # dist: rank 0 only
     for epoch in range(start_epoch + 1, config.train.epochs + 1):
         step = run_epoch(run, config, engine, epoch, step, totals, files, store, stream)
-    return finish(config, engine, run_dir, totals, files)
+    return finish(config, engine, run, run_dir, totals, files)
 
 
 @dataclass
@@ -116,7 +126,10 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
     epochs = config.train.epochs
     progress = EpochProgress(stream, epoch, epochs, len(run.train_sampler) // config.train.accumulate, step)
 
+    position = [f"epoch {epoch}, step {step + 1}"]  # where a failure of the user's code is reported
+
     def on_step(done: int, loss: torch.Tensor) -> None:
+        position[0] = f"epoch {epoch}, step {done + 1}"
         engine.at(f"epoch {epoch}, training after step {done}")  # dist: for a stall report
         progress.step(done, loss)
         if after_step is not None:
@@ -124,21 +137,27 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
 
     engine.at(f"epoch {epoch}, training from step {step}")
     epoch_start = time.perf_counter()
-    train, step = train_epoch(
-        run.model, run.optimizer, engine, run.train_batches,
-        first_step=step, learning_rate=run.learning_rate, accumulate=config.train.accumulate,
-        clip_grad_norm=config.optim.clip_grad_norm, precision=run.precision,
-        channels_last=config.train.channels_last, nonfinite=config.train.nonfinite, on_step=on_step,
-    )
-    seconds = time.perf_counter() - epoch_start
-    progress.close()
-    engine.at(f"epoch {epoch}, evaluation")
-    val = evaluate(run.model, engine, run.val_batches, run.precision, config.train.channels_last)
+    try:
+        train, step = train_epoch(
+            run.model, run.optimizer, engine, run.task, run.train_batches,
+            first_step=step, learning_rate=run.learning_rate, accumulate=config.train.accumulate,
+            clip_grad_norm=config.optim.clip_grad_norm, precision=run.precision,
+            channels_last=config.train.channels_last, nonfinite=config.train.nonfinite, on_step=on_step,
+        )
+        seconds = time.perf_counter() - epoch_start
+        progress.close()
+        engine.at(f"epoch {epoch}, evaluation")
+        position[0] = f"epoch {epoch}, evaluation"
+        val = evaluate(run.model, engine, run.task, run.val_batches, run.first.template, run.precision,
+                       config.train.channels_last)
+    except Exception as err:
+        raise _located(err, engine, position[0])
     totals.train_seconds += seconds
     totals.train_samples += train.samples
+    metrics = {f"val_{name}": val.metrics[name] for name in sorted(val.metrics, key=lambda n: n != "loss")}
     totals.record = {
         "epoch": epoch, "epochs": epochs, "step": step, "world_size": engine.size,
-        "train_loss": train.loss, "val_loss": val.loss, "val_acc": val.accuracy,
+        "train_loss": train.loss, **metrics,
         "val_samples": val.samples, "train_samples": train.samples, "skipped_steps": train.skipped_steps,
         "train_samples_per_s": train.samples / seconds, "lr": run.learning_rate(step),
         "elapsed_s": time.perf_counter() - totals.started,
@@ -147,28 +166,44 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
         files.append_metrics(totals.record)
         say(epoch_line(totals.record))
         if epoch % config.run.checkpoint_every == 0 or epoch == epochs:
-            store.save(_checkpoint_state(run, config, engine, epoch, step), epoch,
-                       {"val_acc": val.accuracy, "val_loss": val.loss})
+            store.save(_checkpoint_state(run, config, engine, epoch, step), epoch, metrics)
     return step
 
 
-def finish(config: Config, engine: Engine, run_dir: Path, totals: Totals, files: RunFiles | None) -> dict[str, Any]:
+def _located(err: Exception, engine: Engine, position: str) -> Exception:
+    """The user's code failed mid-run on this rank (a Dataset, the model, the task): one line
+    naming the rank, where in the run, and where in their code. Other failures pass as they are."""
+    if isinstance(err, (UserError, RankFailed)) or engine.is_collective_failure(err):
+        return err
+    message = (str(err).strip().splitlines() or [""])[0]
+    located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message}{where(err)}; "
+                       "every rank stops (--debug shows the traceback)")
+    located.__cause__ = err
+    return located
+
+
+def finish(config: Config, engine: Engine, run: Run, run_dir: Path, totals: Totals,
+           files: RunFiles | None) -> dict[str, Any]:
     """The run's summary; rank 0 writes summary.json and says how it ended."""
     record = totals.record or {}
     epochs = config.train.epochs
+    key, higher = run.best
     summary = {
-        "world_size": engine.size, "epochs": epochs, "steps": record.get("step"),
-        "val_acc": record.get("val_acc"), "val_loss": record.get("val_loss"),
-        "train_loss": record.get("train_loss"),
+        "world_size": engine.size, "epochs": epochs, "steps": record.get("step"), "task": run.task.name,
+        **{name: value for name, value in record.items() if name.startswith("val_")},
+        "train_loss": record.get("train_loss"), "best_metric": key,
         "train_samples_per_s": totals.train_samples / totals.train_seconds if totals.train_seconds else None,
         "wall_s": time.perf_counter() - totals.started,
         "controller": engine.controller, "device": str(engine.device),
         "resumed_from_epoch": totals.start_epoch or None,
     }
     if files is not None:
+        best = files.best_record(key, higher)  # over every epoch recorded, a resumed run's too
+        summary.update(best_value=best.get(key), best_epoch=best.get("epoch"))
         files.write_summary(summary)
         if record:
-            say(f"hvdtrain: done: val_acc {record['val_acc']:.4f} after {epochs} epochs; "
+            best_text = f" (best {best[key]:.4f} at epoch {best['epoch']})" if best else ""
+            say(f"hvdtrain: done: {key} {record[key]:.4f} after {epochs} epochs{best_text}; "
                 f"results in {run_dir}/summary.json")
         else:
             say(f"hvdtrain: nothing to do: {run_dir} already finished {epochs} epochs")
@@ -178,8 +213,10 @@ def finish(config: Config, engine: Engine, run_dir: Path, totals: Totals, files:
 def build(config: Config, engine: Engine) -> Run:
     """Data, model and optimizer; no collectives, no files."""
     torch.manual_seed(config.train.seed)  # the same initial weights everywhere, broadcast anyway
-    split: DataSplit = build_data(config.data, config.train.seed)
-    model = build_model(config.model, split.input_shape, split.num_classes).to(engine.device)
+    task = build_task(config.task)
+    split: DataSplit = build_data(config.data, config.train.seed, task.target_key)
+    model = build_model(config.model, split.input_shape, split.num_classes,
+                        task.num_outputs(split.num_classes, split.target_shape)).to(engine.device)
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = engine.wrap_optimizer(
@@ -188,8 +225,9 @@ def build(config: Config, engine: Engine) -> Run:
     )
     # Compiled after wrapping: Horovod's hooks sit on the parameters, which compiling keeps.
     forward = torch.compile(model) if config.train.compile else model
-    return Run(forward, optimizer, split, Precision(config.train.precision, engine.device), None,
-               workers=data_workers(config.data.num_workers, split.train, engine))
+    return Run(forward, optimizer, task, split, Precision(config.train.precision, engine.device), None,
+               workers=data_workers(config.data.num_workers, split.train, engine),
+               collate=collate_function(config.data.collate, config.task.ignore_index, task.target_key))
 
 
 def shard(run: Run, config: Config, engine: Engine) -> None:
@@ -207,12 +245,22 @@ def shard(run: Run, config: Config, engine: Engine) -> None:
         )
     val_sampler = EvalShardSampler(len(run.split.val), batch, engine.rank, engine.size)
     pin = engine.device.type == "cuda"  # pinned host memory lets copies to the GPU overlap compute
-    run.train_batches = batches(run.split.train, run.train_sampler, run.workers, pin)
-    run.val_batches = batches(run.split.val, val_sampler, run.workers, pin)
+    run.train_batches = batches(run.split.train, run.train_sampler, run.workers, pin, run.collate)
+    run.val_batches = batches(run.split.val, val_sampler, run.workers, pin, run.collate)
     run.learning_rate = LearningRate.from_config(
         config.optim, world_size=engine.size, accumulate=accumulate, adasum=config.train.adasum,
         steps_per_epoch=len(run.train_sampler) // accumulate, epochs=config.train.epochs,
     )
+
+
+def check_task(run: Run, config: Config, engine: Engine) -> None:
+    """The task and model on one batch before training (no collectives): labels that the model
+    cannot score, a loss that is not a finite scalar, metrics that are not sums and counts."""
+    size = min(config.data.batch_size, len(run.split.train))
+    first = next(iter(batches(run.split.train, [list(range(size))], 0, False, run.collate)))
+    first = to_device(first, engine.device, config.train.channels_last)
+    run.first = check_first_batch(run.task, run.model, first, run.split.held_targets, run.precision)
+    run.best = best_metric(config.run.best_metric, config.run.best_mode, run.task, run.first.reported)
 
 
 def check_same_data(engine: Engine, run: Run) -> None:
@@ -275,6 +323,7 @@ def _checkpoint_state(run: Run, config: Config, engine: Engine, epoch: int, step
         "step": step,
         "world_size": engine.size,
         "scaler": run.precision.state_dict(),
+        "task": run.task.name,
         "config": config.to_dict(),
     }
 

@@ -34,6 +34,10 @@ done
 
 say() { printf '[install] %s\n' "$*"; }
 
+# An absolute path: the entries written below name their interpreter by it, and a
+# relative one (`make` passes VENV=.venv) would only work from the repository's root.
+case "$venv" in /*) ;; *) venv="$PWD/$venv" ;; esac
+
 # 1. Python environment.
 command -v "$python" >/dev/null || python=python3
 if [ ! -x "$venv/bin/python" ]; then

@@ -20,7 +20,7 @@ def _state(epoch):
 
 
 def test_keeps_the_last_k_and_the_best(tmp_path):
-    store = CheckpointStore(tmp_path, keep_last=2, best_metric="val_acc")
+    store = CheckpointStore(tmp_path, keep_last=2, best_metric="val_acc", maximize=True)
     for epoch, acc in enumerate([0.5, 0.9, 0.7, 0.6, 0.8], start=1):
         store.save(_state(epoch), epoch, {"val_acc": acc, "val_loss": 1 - acc})
     names = sorted(p.name for p in store.dir.glob("epoch-*.pt"))

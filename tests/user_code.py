@@ -151,3 +151,182 @@ def stream():
                 yield torch.randn(4), torch.tensor(0)
 
     return Stream(), Stream()
+
+
+# --- tasks ------------------------------------------------------------------------
+
+
+def _rank() -> int:
+    import os
+
+    return int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+
+
+def _tensor_split(x, y, val=60):
+    from torch.utils.data import TensorDataset
+
+    return TensorDataset(x[val:], y[val:]), TensorDataset(x[:val], y[:val])
+
+
+def regression_data():
+    """Two float targets per sample, a noisy linear function of six features."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 6, generator=generator)
+    y = x @ torch.randn(6, 2, generator=generator) + 0.1 * torch.randn(300, 2, generator=generator) + 3.0
+    return _tensor_split(x, y)
+
+
+def multilabel_data():
+    """Four 0/1 labels per sample."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 6, generator=generator)
+    return _tensor_split(x, (x @ torch.randn(6, 4, generator=generator) > 0).float())
+
+
+def sequences():
+    """Token sequences of a simple rule (t+1 = 3t + 1 mod 16) from random starts, alone in each sample."""
+    from torch.utils.data import TensorDataset
+
+    generator = torch.Generator().manual_seed(3)
+    tokens = [torch.randint(0, 16, (320,), generator=generator)]
+    for _ in range(11):
+        tokens.append((tokens[-1] * 3 + 1) % 16)
+    ids = torch.stack(tokens, dim=1)
+    return TensorDataset(ids[60:]), TensorDataset(ids[:60])
+
+
+def bigram_lm():
+    return nn.Sequential(nn.Embedding(16, 16), nn.Linear(16, 16))
+
+
+def three_logits(input_shape, num_classes):
+    """A model with fewer outputs than the labels reach (digits has 10 classes)."""
+    import math
+
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 3))
+
+
+class IntLabels(Dataset):
+    """Plain int labels and no `classes` attribute: the class count cannot be read off."""
+
+    def __init__(self):
+        self.inner = Blobs()
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        x, y = self.inner[index]
+        return x, int(y)
+
+
+def int_labels():
+    return IntLabels()
+
+
+def needs_num_classes(input_shape, num_classes):
+    return tiny_net(input_shape, num_classes)
+
+
+class CorruptOnRankOne(Blobs):
+    """Rank 1 finds a corrupt record partway into the first epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __getitem__(self, index):
+        self.reads += 1
+        if _rank() == 1 and self.reads == 100:
+            raise OSError(f"corrupt record {index} in /data/part-1.bin")
+        return super().__getitem__(index)
+
+
+def corrupt_on_rank_one():
+    return CorruptOnRankOne()
+
+
+class DictBlobs(Dataset):
+    """Dict samples whose target is under 'y', not the default 'labels'."""
+
+    classes = Blobs.classes
+
+    def __init__(self):
+        self.inner = Blobs()
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        x, y = self.inner[index]
+        return {"x": x, "y": y}
+
+
+def dict_blobs():
+    return DictBlobs()
+
+
+class DictNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_net((5,), 3)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def dict_net():
+    return DictNet()
+
+
+class OwnLoss(nn.Module):
+    """Computes its own loss when given labels, as Hugging Face models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_net((5,), 3)
+
+    def forward(self, x, y=None):
+        logits = self.net(x)
+        if y is None:
+            return logits
+        return {"loss": torch.nn.functional.cross_entropy(logits, y), "logits": logits}
+
+
+def own_loss():
+    return OwnLoss()
+
+
+def per_sample_loss(output, target):
+    """A loss that forgot to reduce."""
+    return torch.nn.functional.cross_entropy(output, target, reduction="none")
+
+
+def log_of_zero_loss(output, target):
+    return torch.log(torch.zeros(())) * output.sum()
+
+
+class _CrossEntropy:
+    def loss(self, output, target):
+        return torch.nn.functional.cross_entropy(output, target)
+
+
+class MeanMetrics(_CrossEntropy):
+    """Reports a mean instead of (sum, count): cannot be summed exactly across ranks."""
+
+    def metrics(self, output, target):
+        return {"acc": (output.argmax(1) == target).float().mean()}
+
+
+class OnlyMetrics:
+    """No loss, and the model gives none either."""
+
+    def metrics(self, output, target):
+        return {"acc": ((output.argmax(1) == target).sum(), len(target))}
+
+
+class F1WithoutDirection(_CrossEntropy):
+    """A metric whose direction hvdtrain cannot know (no `maximize`)."""
+
+    def metrics(self, output, target):
+        return {"hits": ((output.argmax(1) == target).sum(), len(target))}

@@ -17,17 +17,21 @@ from torch import nn
 
 from hvdtrain.bench.stats import mean_ci95
 from hvdtrain.engine import Engine, GradientSync
-from hvdtrain.loop import apply_gradients, forward_backward, to_device
+from hvdtrain.batch import to_device
+from hvdtrain.loop import apply_gradients, forward_backward
 from hvdtrain.precision import FP32, Precision
+from hvdtrain.tasks import Task
+from hvdtrain.tasks.builtin import Classification
 
 
 def _round_rates(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engine, inputs: torch.Tensor,
                  targets: torch.Tensor, warmup: int, steps: int, repeats: int,
                  precision_mode: str = FP32) -> list[float]:
     precision = Precision(precision_mode, engine.device)
+    task: Task = Classification()
 
     def step() -> None:  # the calls hvdtrain.loop.train_epoch makes per step
-        forward_backward(model, inputs, targets, precision)
+        forward_backward(model, task, (inputs, targets), precision)
         apply_gradients(model, optimizer, engine, clip_grad_norm=None, precision=precision)
 
     model.train()
@@ -49,8 +53,8 @@ def run(engine: Engine, model: nn.Module, input_shape: tuple[int, ...], num_clas
         compression: str = "none", precision: str = FP32, channels_last: bool = False) -> dict[str, Any]:
     model = model.to(engine.device)
     generator = torch.Generator().manual_seed(0)
-    inputs, targets = to_device(torch.randn(batch_size, *input_shape, generator=generator),
-                                torch.randint(0, num_classes, (batch_size,), generator=generator),
+    inputs, targets = to_device((torch.randn(batch_size, *input_shape, generator=generator),
+                                 torch.randint(0, num_classes, (batch_size,), generator=generator)),
                                 engine.device, channels_last)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)

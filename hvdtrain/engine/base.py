@@ -56,14 +56,21 @@ class Engine(ABC):
     def at(self, where: str) -> None:
         """Where the training loop is now; a stall report names it."""
 
+    def is_collective_failure(self, err: BaseException) -> bool:
+        """Whether `err` says the job's collectives stopped (another rank failed or left)."""
+        return False
+
     @abstractmethod
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                        sync: GradientSync) -> torch.optim.Optimizer:
         """An optimizer whose gradients are combined across processes before `step`."""
 
     @abstractmethod
-    def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
-        """Waits for the gradient allreduce; after it, gradients are global (clip or unscale here)."""
+    def synchronize(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Waits for the gradient allreduce; after it, gradients are global (clip or unscale here).
+
+        Returns False when the optimizer combines parameter updates inside `step` instead
+        (Adasum): the gradients stay each rank's own and `step` must be called as it is."""
 
     @abstractmethod
     def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:

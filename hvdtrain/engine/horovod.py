@@ -51,6 +51,7 @@ class HorovodEngine(Engine):
         self.controller = controller
         self.activity = Activity()
         self._watchdog: StallWatchdog | None = None
+        self._adasum = False
 
     # Read from Horovod each time: in elastic training they change when processes come and go.
     rank = property(lambda self: hvd.rank())
@@ -100,6 +101,7 @@ class HorovodEngine(Engine):
         if sync.adasum and not hvd.mpi_enabled():
             raise UserError("train.adasum needs the MPI controller: launch with horovodrun --mpi or mpirun, or drop --adasum")
         compression = hvd.Compression.fp16 if sync.compression == "fp16" else hvd.Compression.none
+        self._adasum = sync.adasum
         return hvd.DistributedOptimizer(
             optimizer,
             named_parameters=model.named_parameters(),
@@ -108,9 +110,15 @@ class HorovodEngine(Engine):
             op=hvd.Adasum if sync.adasum else hvd.Average,
         )
 
-    def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
+    def synchronize(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self._adasum:  # Horovod's Adasum optimizer combines parameter deltas inside step()
+            return False
         with self.activity.waiting("the gradient allreduce"):
             optimizer.synchronize()
+        return True
+
+    def is_collective_failure(self, err: BaseException) -> bool:
+        return is_collective_failure(err)
 
     def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
         return optimizer.skip_synchronize()

@@ -21,8 +21,8 @@ class LocalEngine(Engine):
                        sync: GradientSync) -> torch.optim.Optimizer:
         return optimizer
 
-    def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
-        return None
+    def synchronize(self, optimizer: torch.optim.Optimizer) -> bool:
+        return True
 
     def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

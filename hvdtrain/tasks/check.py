@@ -1,0 +1,138 @@
+"""The first batch, run once before training: mistakes become one line, not a failure mid-run.
+
+The model (in eval mode, without gradients) and the task see one batch of this rank's
+training data. Whatever does not fit (labels beyond the model's classes, a dict batch
+without the target key, a loss that is not a scalar or not finite, metrics that are
+not sums and counts) stops set-up with a message that names it. What it learns, the
+metrics' names and shapes, lets every rank reduce the same tensors even when a rank
+has no validation batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from hvdtrain.batch import batch_size, describe
+from hvdtrain.errors import UserError, where
+from hvdtrain.metrics import MetricSums, is_sum_and_count
+from hvdtrain.precision import Precision
+from hvdtrain.tasks.base import Task, batch_metrics, model_loss
+
+Template = dict[str, tuple[torch.Size, torch.Size]]
+
+
+@dataclass
+class FirstBatch:
+    template: Template
+    """Each metric's (sum shape, count shape)."""
+    reported: list[str]
+    """The metric names validation reports (after the task's summarize)."""
+
+
+def check_first_batch(task: Task, model: nn.Module, batch: Any, held_targets: torch.Tensor | None,
+                      precision: Precision) -> FirstBatch:
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), precision.autocast():
+            output, target = _guarded(task, "the model's forward", lambda: task.forward(model, batch), batch)
+            own = model_loss(output)
+            if target is None and own is None and isinstance(batch, Mapping):
+                raise UserError(f"the batch is a dict with keys {', '.join(map(repr, batch))} but no "
+                                f"'{task.target_key}' for task {task.name}: name the target's key with "
+                                f"--set task.target_key=KEY")
+            task.check(output, target, held_targets)
+            loss = own if own is not None else _guarded(task, "its loss", lambda: task.loss(output, target), batch)
+            _check_loss(task, loss, "the model's" if own is not None else f"task '{task.name}' loss")
+            metrics = _guarded(task, "its metrics", lambda: batch_metrics(task, output, target, batch_size(batch)), batch)
+            template = _check_metrics(task, metrics)
+            sums = MetricSums(torch.device("cpu"), template)
+            sums.add(metrics)
+            reported = _guarded(task, "its summarize", lambda: task.summarize(sums.sums), batch)
+    finally:
+        model.train(was_training)
+    return FirstBatch(template, sorted(reported))
+
+
+def best_metric(name: str, mode: str, task: Task, reported: list[str]) -> tuple[str, bool]:
+    """(record key such as `val_acc`, whether higher is better) for run.best_metric and run.best_mode."""
+    metric = task.primary if name == "auto" else name.removeprefix("val_")
+    if name == "auto" and metric not in reported:
+        metric = "loss"  # a model that returns only its loss
+    if metric not in reported:
+        raise UserError(f"run.best_metric '{name}' is not a metric of task {task.name}: it reports "
+                        f"{', '.join('val_' + r for r in reported)}")
+    if mode != "auto":
+        return f"val_{metric}", mode == "max"
+    if metric == "loss":
+        return "val_loss", False
+    if task.maximize is None:
+        raise UserError(f"hvdtrain cannot tell whether a higher or lower val_{metric} is better: set "
+                        f"run.best_mode to max or min, or list the metrics that are better when higher in "
+                        f"your task's `maximize`")
+    return f"val_{metric}", metric in task.maximize
+
+
+def _guarded(task: Task, what: str, call: Callable[[], Any], batch: Any) -> Any:
+    try:
+        return call()
+    except UserError:
+        raise
+    except Exception as err:
+        hint = ""
+        if isinstance(batch, Mapping) and task.target_key not in batch:
+            hint = (f"; it has no '{task.target_key}' key (task.target_key): if another key holds the target, "
+                    "--set task.target_key=KEY")
+        raise UserError(f"the first training batch failed in {what} (task {task.name}): {type(err).__name__}: "
+                        f"{_first_line(err)}{where(err)}; the batch was {describe(batch)}{hint}") from err
+
+
+def _check_loss(task: Task, loss: Any, whose: str) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise UserError(f"{whose} returned {type(loss).__name__}, not a tensor: return the loss as a tensor "
+                        "(do not call .item() on it)")
+    if loss.dim() != 0:
+        raise UserError(f"{whose} returned a tensor of shape {tuple(loss.shape)}, not a scalar: reduce it, "
+                        "for example with .mean()")
+    if not loss.is_floating_point():
+        raise UserError(f"{whose} returned a {loss.dtype} tensor: a loss must be floating point")
+    if not math.isfinite(float(loss)):
+        raise UserError(f"{whose} is {float(loss)} on the first training batch, before any step: check the "
+                        "data for NaN or Inf values and the loss for log(0) or division by zero")
+
+
+def _check_metrics(task: Task, metrics: Any) -> Template:
+    if not isinstance(metrics, Mapping):
+        raise UserError(f"task '{task.name}' metrics returned {type(metrics).__name__}: return a dict "
+                        "{name: (sum, count)}")
+    template: Template = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise UserError(f"task '{task.name}' metrics: names must be non-empty strings, got {name!r}")
+        if not is_sum_and_count(value):
+            raise UserError(f"task '{task.name}' metrics: '{name}' is {_short(value)}, not a (sum, count) pair: "
+                            f"return for example (correct.sum(), len(target)) so that ranks can be summed exactly")
+        total, count = (torch.as_tensor(v) for v in value)
+        try:
+            torch.broadcast_shapes(total.shape, count.shape)
+        except RuntimeError:
+            raise UserError(f"task '{task.name}' metrics: '{name}' has a sum of shape {tuple(total.shape)} and a "
+                            f"count of shape {tuple(count.shape)}, which do not broadcast") from None
+        template[name] = (total.shape, count.shape)
+    return template
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"a {type(value).__name__}"
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else ""
