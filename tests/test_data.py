@@ -36,7 +36,7 @@ def test_npz(tmp_path):
     [
         ({"inputs": np.zeros((4, 2)), "y": np.zeros(4, int)}, "has no array 'x'"),
         ({"x": np.zeros((4, 2)), "y": np.zeros(5, int)}, "x has 4 samples but y has 5"),
-        ({"x": np.zeros((4, 2)), "y": np.zeros(4)}, "y must hold integer class labels"),
+        ({"x": np.zeros((4, 2)), "y": np.array(["a", "b", "c", "d"])}, "y must hold class labels or numbers"),
     ],
 )
 def test_bad_npz(tmp_path, arrays, message):
