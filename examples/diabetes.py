@@ -2,7 +2,7 @@
 progression score to predict; it ships inside scikit-learn's wheel, nothing is downloaded).
 
     PYTHONPATH=examples horovodrun -np 2 hvdtrain fit --task regression --data diabetes:data \
-        --model mlp --set model.hidden=32 --optimizer adamw --lr 0.002 --batch-size 16 --epochs 60
+        --model mlp --set model.hidden=32 --optimizer adamw --lr 0.002 --batch-size 16 --epochs 20
 
 A data factory is all a regression needs: float targets, the built-in MLP (it gets one
 output per target value from the task), and `--task regression` for MSE training with

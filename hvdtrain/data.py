@@ -39,6 +39,8 @@ class DataSplit:
     """One sample's target shape (() for a class label); None when there is none."""
     held_targets: torch.Tensor | None = None
     """Every target, when the data set holds them in memory (to check labels once)."""
+    target_dtype: torch.dtype | None = None
+    """One sample's target dtype; None when there is no target tensor."""
 
 
 def build_data(cfg: DataConfig, seed: int, target_key: str = "labels") -> DataSplit:
@@ -200,8 +202,9 @@ def _from_factory(cfg: DataConfig, seed: int, target_key: str) -> DataSplit:
     if len(train) == 0 or len(val) == 0:
         raise UserError(f"data factory '{cfg.name}' gave an empty {'train' if len(train) == 0 else 'val'} set")
     inputs, target = split_batch(train[0], target_key)
+    dtype = torch.as_tensor(target).dtype if _shape_of(target) is not None else None
     return DataSplit(train, val, _shape_of(inputs), _num_classes(train, val), _shape_of(target),
-                     _held_targets(train, val))
+                     _held_targets(train, val), dtype)
 
 
 def _shape_of(value: Any) -> tuple[int, ...] | None:
@@ -261,6 +264,7 @@ def _split_tensors(x: torch.Tensor, y: torch.Tensor, val_fraction: float, seed: 
         int(y.max()) + 1 if labels else None,
         tuple(y.shape[1:]),
         y,
+        y.dtype,
     )
 
 

@@ -215,6 +215,7 @@ def build(config: Config, engine: Engine) -> Run:
     torch.manual_seed(config.train.seed)  # the same initial weights everywhere, broadcast anyway
     task = build_task(config.task)
     split: DataSplit = build_data(config.data, config.train.seed, task.target_key)
+    task.check_data(split.target_dtype, split.target_shape)
     model = build_model(config.model, split.input_shape, split.num_classes,
                         task.num_outputs(split.num_classes, split.target_shape)).to(engine.device)
     if config.train.channels_last:

@@ -26,10 +26,10 @@ LAUNCHERS = {
 }
 
 
-def launch_env() -> dict[str, str]:
+def launch_env(pythonpath: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{ROOT / 'tests'}"
+    env["PYTHONPATH"] = pythonpath or f"{ROOT}{os.pathsep}{ROOT / 'tests'}"
     # OpenMPI refuses root without these; containers and CI run as root.
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -37,9 +37,11 @@ def launch_env() -> dict[str, str]:
     return env
 
 
-def run(command: list[str], *, timeout: float = 180, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run(command: list[str], *, timeout: float = 180, cwd: Path | None = None,
+        pythonpath: str | None = None) -> subprocess.CompletedProcess:
     """Runs a command to completion; a hang fails the test instead of blocking it."""
-    return subprocess.run(command, env=launch_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, env=launch_env(pythonpath), cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def fit_under(launcher: str | None, *args: str, timeout: float = 180, cwd: Path | None = None) -> subprocess.CompletedProcess:

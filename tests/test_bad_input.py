@@ -27,10 +27,12 @@ def existing_run(tmp_path_factory) -> Path:
 def files(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("inputs")
     np.savez(folder / "no_x.npz", inputs=np.zeros((8, 2)), y=np.zeros(8, int))
+    np.savez(folder / "negative.npz", x=np.zeros((8, 2)), y=np.array([0, 1, -1, 1, 0, 1, 0, 1]))
+    np.savez(folder / "float_y.npz", x=np.zeros((8, 2)), y=np.linspace(0, 1, 8))
     (folder / "wrong_type.yaml").write_text("data:\n  batch_size: lots\n")
     (folder / "unknown_key.yaml").write_text("train:\n  epohcs: 3\n")
-    return {"no_x": str(folder / "no_x.npz"), "wrong_type": str(folder / "wrong_type.yaml"),
-            "unknown_key": str(folder / "unknown_key.yaml")}
+    return {name: str(folder / f"{name}.{ext}") for name, ext in [
+        ("no_x", "npz"), ("negative", "npz"), ("float_y", "npz"), ("wrong_type", "yaml"), ("unknown_key", "yaml")]}
 
 
 CASES = {
@@ -54,6 +56,24 @@ CASES = {
     "elastic without its launcher": (["--elastic"], "--elastic needs processes started by horovodrun in elastic mode"),
     "iterable data set": (["--data", "user_code:stream"], "its train set is not a map-style Dataset"),
     "negative stall timeout": (["--set", "train.stall_timeout=-5"], "config key 'train.stall_timeout' must be 0 (off) or more"),
+    "unknown task": (["--task", "ranking"], "unknown task 'ranking': use one of classification, regression"),
+    "labels beyond the model's classes": (["--model", "user_code:three_logits"],
+                                          "the labels reach 9 but the model's output has 3 classes"),
+    "negative labels": (["--data", "{negative}", "--batch-size", "2"], "the labels include -1"),
+    "float targets for classification": (["--data", "{float_y}", "--batch-size", "2"],
+                                         "classification needs integer class labels"),
+    "dict batch without the target key": (["--data", "user_code:dict_blobs", "--model", "user_code:dict_net"],
+                                          "it has no 'labels' key (task.target_key)"),
+    "task without a loss": (["--data", "user_code:blobs", "--model", "user_code:tiny_net", "--task",
+                             "user_code:OnlyMetrics"], "has no loss method and the model returned no loss"),
+    "loss not finite at the start": (["--task", "user_code:log_of_zero_loss"], "is -inf on the first training batch"),
+    "metrics not sums and counts": (["--task", "user_code:MeanMetrics"], "not a (sum, count) pair"),
+    "class count unknown": (["--data", "user_code:int_labels", "--model", "user_code:needs_num_classes"],
+                            "takes num_classes, but the data set does not say how many classes it has: set "
+                            "data.num_classes"),
+    "best metric the task lacks": (["--set", "run.best_metric=val_f1"],
+                                   "run.best_metric 'val_f1' is not a metric of task classification"),
+    "adasum with fp16": (["--adasum", "--precision", "fp16"], "'train.adasum' does not work with precision fp16"),
 }
 
 

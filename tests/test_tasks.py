@@ -184,6 +184,12 @@ def test_a_loss_function_or_loss_module_is_a_task(task, tmp_path):
     assert summary["best_metric"] == "val_loss" and summary["val_loss"] < 0.5
 
 
+def test_the_class_count_can_be_given_when_the_data_cannot_tell(tmp_path):
+    summary = _fit(tmp_path, "--data", "user_code:int_labels", "--model", "user_code:needs_num_classes",
+                   "--set", "data.num_classes=3", "--epochs", "3", "--batch-size", "16")
+    assert summary["val_acc"] > 0.8
+
+
 def test_a_model_that_returns_its_own_loss_from_dict_batches(tmp_path):
     summary = _fit(tmp_path, "--data", "user_code:dict_blobs", "--model", "user_code:own_loss",
                    "--set", "task.target_key=y", "--epochs", "3", "--batch-size", "16")

@@ -55,6 +55,9 @@ class Task:
     def check(self, output: Any, target: Any, held_targets: torch.Tensor | None) -> None:
         """Raises UserError when the first batch shows the data and model cannot work with this task."""
 
+    def check_data(self, target_dtype: torch.dtype | None, target_shape: tuple[int, ...] | None) -> None:
+        """Raises UserError when the data set's targets cannot serve this task (before a model is built)."""
+
     def num_outputs(self, num_classes: int | None, target_shape: tuple[int, ...] | None) -> int | None:
         """How many outputs per sample a built-in model needs for this task (None: unknown)."""
         return num_classes

@@ -68,6 +68,11 @@ class Classification(Task):
             found["top5_acc"] = (((top5 == labels.unsqueeze(1)).any(dim=1) & scored).sum(), count)
         return found
 
+    def check_data(self, target_dtype: torch.dtype | None, target_shape: tuple[int, ...] | None) -> None:
+        if target_dtype is not None and target_dtype.is_floating_point and target_shape == ():
+            raise UserError(f"task classification: the targets are {target_dtype} numbers, one per sample; "
+                            "classification needs integer class labels: for float targets use --task regression")
+
     def check(self, output: Any, target: Any, held_targets: torch.Tensor | None) -> None:
         logits = _outputs_of(output, self.name)
         target = _need_target(target, self.name, self.target_key)

@@ -1,6 +1,6 @@
 """Run under a launcher: k steps on rank-specific data, then each rank saves its parameters.
 
-    horovodrun --gloo -np 2 python tests/workers/ranks_agree.py OUT_DIR STEPS
+    horovodrun --gloo -np 2 python tests/workers/ranks_agree.py OUT_DIR STEPS [average|adasum]
 """
 
 import sys
@@ -13,11 +13,13 @@ from hvdtrain.loop import apply_gradients
 from hvdtrain.models import mlp
 
 out, steps = Path(sys.argv[1]), int(sys.argv[2])
+adasum = sys.argv[3:] == ["adasum"]
 engine = start_engine("horovod", "cpu", threads=1)
 torch.manual_seed(100 + engine.rank)  # deliberately different initial weights on each rank
 model = mlp((6,), 3, hidden=8)
 initial = {k: v.clone() for k, v in model.state_dict().items()}
-optimizer = engine.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, GradientSync())
+optimizer = engine.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                                   GradientSync(adasum=adasum))
 engine.broadcast_parameters(model)
 broadcast = {k: v.clone() for k, v in model.state_dict().items()}
 generator = torch.Generator().manual_seed(engine.rank)  # different data on each rank
