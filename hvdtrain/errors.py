@@ -33,11 +33,10 @@ def where(err: BaseException) -> str:
 
 
 def _library_file(filename: str) -> bool:
-    """hvdtrain's, torch's and the standard library's own files."""
+    """hvdtrain's own files, the standard library's and installed packages' (torch, Horovod)."""
     import sysconfig
     from pathlib import Path
 
-    import torch
-
-    roots = [Path(__file__).parent, Path(torch.__file__).parent, Path(sysconfig.get_paths()["stdlib"])]
+    paths = sysconfig.get_paths()
+    roots = [Path(__file__).parent, *(Path(paths[key]) for key in ("stdlib", "purelib", "platlib"))]
     return any(root in Path(filename).parents for root in roots)

@@ -173,7 +173,7 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
 def _located(err: Exception, engine: Engine, position: str) -> Exception:
     """The user's code failed mid-run on this rank (a Dataset, the model, the task): one line
     naming the rank, where in the run, and where in their code. Other failures pass as they are."""
-    if isinstance(err, (UserError, RankFailed)) or engine.is_collective_failure(err):
+    if isinstance(err, (UserError, RankFailed)) or engine.is_engine_signal(err):
         return err
     message = (str(err).strip().splitlines() or [""])[0]
     located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message}{where(err)}; "

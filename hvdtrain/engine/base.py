@@ -56,8 +56,9 @@ class Engine(ABC):
     def at(self, where: str) -> None:
         """Where the training loop is now; a stall report names it."""
 
-    def is_collective_failure(self, err: BaseException) -> bool:
-        """Whether `err` says the job's collectives stopped (another rank failed or left)."""
+    def is_engine_signal(self, err: BaseException) -> bool:
+        """Whether `err` is the engine's own: its collectives stopped (another rank failed or
+        left), or, in elastic training, the set of processes changed."""
         return False
 
     @abstractmethod

@@ -16,10 +16,10 @@ from hvdtrain.watchdog import Activity, KeyValueBoard, StallWatchdog
 try:
     import horovod.torch as hvd
     from horovod.common.elastic import ObjectState
-    from horovod.common.exceptions import HorovodInternalError
+    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 except ImportError as err:  # reported when a launcher asks for Horovod, not at import
     hvd = None
-    HorovodInternalError = None
+    HorovodInternalError = HostsUpdatedInterrupt = None
     ObjectState = object
     _import_error: ImportError | None = err
 else:
@@ -117,8 +117,8 @@ class HorovodEngine(Engine):
             optimizer.synchronize()
         return True
 
-    def is_collective_failure(self, err: BaseException) -> bool:
-        return is_collective_failure(err)
+    def is_engine_signal(self, err: BaseException) -> bool:
+        return is_collective_failure(err) or isinstance(err, HostsUpdatedInterrupt)
 
     def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
         return optimizer.skip_synchronize()

@@ -17,6 +17,7 @@ trained on that loss, and the task's metrics still see the rest of the output.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,8 +60,11 @@ class Task:
         """Raises UserError when the data set's targets cannot serve this task (before a model is built)."""
 
     def num_outputs(self, num_classes: int | None, target_shape: tuple[int, ...] | None) -> int | None:
-        """How many outputs per sample a built-in model needs for this task (None: unknown)."""
-        return num_classes
+        """How many outputs per sample a built-in model needs for this task (None: unknown):
+        one per class when the data has classes, else one per target value."""
+        if num_classes is not None or target_shape is None:
+            return num_classes
+        return math.prod(target_shape)
 
 
 def model_loss(output: Any) -> torch.Tensor | None:
