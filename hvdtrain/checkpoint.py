@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -54,6 +55,16 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def best_entry(entries: list[dict[str, Any]], key: str, maximize: bool) -> dict[str, Any] | None:
+    """The entry (epoch record, checkpoint) with the best `key`; ties go to the later one.
+    None when no entry has a number for it (NaN does not count)."""
+    scored = [e for e in entries if isinstance(e.get(key), (int, float)) and not math.isnan(e[key])]
+    if not scored:
+        return None
+    sign = 1 if maximize else -1
+    return max(reversed(scored), key=lambda e: sign * e[key])
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -75,7 +86,7 @@ class CheckpointStore:
         atomic_write(path, lambda handle: torch.save(state, handle))
         entry = {"file": path.name, "epoch": epoch, "step": state["step"], "sha256": sha256_of(path), **metrics}
         entries = [e for e in self._entries() if e["epoch"] < epoch] + [entry]
-        best = self._best(entries)
+        best = best_entry(entries, self.best_metric, self.maximize) or entries[-1]
         recent = entries[-self.keep_last:]
         kept = sorted(recent + ([] if best in recent else [best]), key=lambda e: e["epoch"])
         manifest = {"best_metric": self.best_metric, "maximize": self.maximize, "best": best["file"],
@@ -136,14 +147,6 @@ class CheckpointStore:
             return sorted(json.loads(path.read_text())["checkpoints"], key=lambda e: e["epoch"])
         except (ValueError, KeyError):
             return []  # unreadable: fall back to loading the files themselves
-
-    def _best(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
-        scored = [e for e in entries if e.get(self.best_metric) is not None]
-        if not scored:
-            return entries[-1]
-        sign = -1 if self.maximize else 1
-        # Ties go to the newer checkpoint.
-        return min(reversed(scored), key=lambda e: sign * e[self.best_metric])
 
     def _link(self, link: Path, target: Path) -> None:
         tmp = link.with_name(f".{link.name}.link.tmp")

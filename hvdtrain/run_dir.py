@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from hvdtrain.checkpoint import atomic_write
+from hvdtrain.checkpoint import atomic_write, best_entry
 from hvdtrain.config import RunConfig
 from hvdtrain.errors import UserError
 
@@ -85,11 +85,7 @@ class RunFiles:
         """The epoch record with the best `key` in metrics.jsonl (ties: the later epoch)."""
         path = self.path / "metrics.jsonl"
         records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
-        scored = [r for r in records if isinstance(r.get(key), (int, float)) and r[key] == r[key]]  # not NaN
-        if not scored:
-            return {}
-        sign = 1 if higher_is_better else -1
-        return max(reversed(scored), key=lambda r: sign * r[key])
+        return best_entry(records, key, higher_is_better) or {}
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         text = json.dumps(summary, indent=2) + "\n"
