@@ -196,6 +196,13 @@ def test_a_model_that_returns_its_own_loss_from_dict_batches(tmp_path):
     assert summary["val_acc"] > 0.8  # the task's metrics read the model's logits
 
 
+def test_a_model_that_returns_only_a_scalar_loss(tmp_path):
+    summary = _fit(tmp_path, "--data", "user_code:dict_blobs", "--model", "user_code:only_loss",
+                   "--set", "task.target_key=y", "--epochs", "3", "--batch-size", "16")
+    assert summary["best_metric"] == "val_loss" and summary["val_loss"] < 0.5
+    assert not any(key.startswith("val_") and key not in ("val_loss", "val_samples") for key in summary)
+
+
 def test_a_user_task_object_with_vector_metrics(tmp_path):
     import sys
     from pathlib import Path

@@ -22,7 +22,7 @@ from hvdtrain.batch import batch_size, describe
 from hvdtrain.errors import UserError, where
 from hvdtrain.metrics import MetricSums, is_sum_and_count
 from hvdtrain.precision import Precision
-from hvdtrain.tasks.base import Task, batch_metrics, model_loss
+from hvdtrain.tasks.base import Task, batch_metrics, model_loss, predictions
 
 Template = dict[str, tuple[torch.Size, torch.Size]]
 
@@ -47,7 +47,8 @@ def check_first_batch(task: Task, model: nn.Module, batch: Any, held_targets: to
                 raise UserError(f"the batch is a dict with keys {', '.join(map(repr, batch))} but no "
                                 f"'{task.target_key}' for task {task.name}: name the target's key with "
                                 f"--set task.target_key=KEY")
-            task.check(output, target, held_targets)
+            if own is None or predictions(output) is not None:  # nothing to check when only a loss came back
+                task.check(output, target, held_targets)
             loss = own if own is not None else _guarded(task, "its loss", lambda: task.loss(output, target), batch)
             _check_loss(task, loss, "the model's" if own is not None else f"task '{task.name}' loss")
             metrics = _guarded(task, "its metrics", lambda: batch_metrics(task, output, target, batch_size(batch)), batch)
