@@ -18,7 +18,7 @@ demo: install
 
 ## make test: the whole suite, multi-process tests included (CPU only).
 test: install-test
-	python -m pytest -ra
+	python -m pytest -ra --durations=15
 
 ## make test-fast: the in-process tests only.
 test-fast: install-test
