@@ -57,6 +57,8 @@ CASES = {
     "iterable data set": (["--data", "user_code:stream"], "its train set is not a map-style Dataset"),
     "negative stall timeout": (["--set", "train.stall_timeout=-5"], "config key 'train.stall_timeout' must be 0 (off) or more"),
     "unknown task": (["--task", "ranking"], "unknown task 'ranking': use one of classification, regression"),
+    "misspelt task": (["--task", "regresion"], "unknown task 'regresion': did you mean 'regression'?"),
+    "multilabel on class labels": (["--task", "multilabel"], "multilabel needs a 0/1 target per class"),
     "labels beyond the model's classes": (["--model", "user_code:three_logits"],
                                           "the labels reach 9 but the model's output has 3 classes"),
     "negative labels": (["--data", "{negative}", "--batch-size", "2"], "the labels include -1"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 from hvdtrain.config import TaskConfig
 from hvdtrain.errors import UserError
 from hvdtrain.factory import is_factory_path
@@ -27,5 +29,8 @@ def build_task(cfg: TaskConfig) -> Task:
         from hvdtrain.tasks.user import user_task
 
         return user_task(cfg.name, cfg.target_key)
+    close = difflib.get_close_matches(cfg.name, BUILT_IN, n=1)
+    if close:
+        raise UserError(f"unknown task '{cfg.name}': did you mean '{close[0]}'?")
     raise UserError(f"unknown task '{cfg.name}': use one of {', '.join(BUILT_IN)}, or package.module:function "
                     "for your own (a loss function or an object with loss and metrics)")

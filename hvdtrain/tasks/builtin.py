@@ -210,6 +210,12 @@ class Multilabel(Task):
             "f1": (2 * true_pos, 2 * true_pos + false_pos + false_neg),  # micro-F1 is a ratio of sums
         }
 
+    def check_data(self, target_dtype: torch.dtype | None, target_shape: tuple[int, ...] | None) -> None:
+        if target_shape == ():
+            raise UserError("task multilabel: the targets are one value per sample; multilabel needs a 0/1 target "
+                            "per class (shape (classes,) per sample): for one class label per sample use "
+                            "--task classification")
+
     def check(self, output: Any, target: Any, held_targets: torch.Tensor | None) -> None:
         logits = _outputs_of(output, self.name)
         target = _need_target(target, self.name, self.target_key)
