@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Any, NoReturn, Sequence
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Sequence
 
 import click
 
@@ -96,6 +97,114 @@ def fit(config_path: str | None, assignments: Sequence[str], engine: str | None,
         run_engine.shutdown()
 
 
+def _with_engine(device: str, debug: bool, work: Callable[[Any], None], threads: int = 0) -> None:
+    """Starts the engine (Horovod under a launcher), runs `work(engine)`, and reports a failure
+    with one line before the engine shuts down, as `fit` does."""
+    from hvdtrain.engine import start_engine
+
+    engine = start_engine("auto", device, threads)
+    try:
+        work(engine)
+    except Exception as err:
+        _report_and_exit(err, debug)
+        raise
+    finally:
+        engine.shutdown()
+
+
+def _saved_run_options(function: Callable[..., Any]) -> Callable[..., Any]:
+    """What `evaluate`, `predict` and `export` share: which run, which checkpoint, which data."""
+    for option in reversed([
+        click.argument("run_dir", type=click.Path(file_okay=False)),
+        click.option("--checkpoint", default="best", show_default=True, help="best, last or a checkpoint file."),
+        click.option("--data", help="Another data set (as fit's --data); default: the run's own."),
+        click.option("--split", "part", type=click.Choice(["val", "train", "all"]),
+                     help="Which part of the data: fit's val or train split, or all of it in its own order "
+                          "(default: val for the run's data, all for --data)."),
+        click.option("--batch-size", type=int, help="Per process (default: the run's)."),
+        click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
+                     help="Any data or task config key, e.g. --set data.collate=pad (repeatable)."),
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
+        click.option("--debug", is_flag=True, help="Show tracebacks for errors."),
+    ]):
+        function = option(function)
+    return function
+
+
+def _run_overrides(data: str | None, batch_size: int | None, device: str, assignments: Sequence[str]) -> dict[str, Any]:
+    overrides = dict(parse_assignment(text) for text in assignments)
+    if data is not None:
+        overrides["data.name"] = data
+    if batch_size is not None:
+        overrides["data.batch_size"] = batch_size
+    overrides["train.device"] = device
+    for key in ("run.resume", "run.overwrite", "train.elastic", "train.compile"):  # training only
+        overrides[key] = False
+    return overrides
+
+
+def _default_part(part: str | None, data: str | None) -> str:
+    return part or ("all" if data is not None else "val")
+
+
+@cli.command()
+@_saved_run_options
+@click.option("--output", type=click.Path(dir_okay=False),
+              help="JSON file for the metrics (default RUN_DIR/evaluate-<checkpoint>-<data>-<split>.json).")
+def evaluate(run_dir: str, checkpoint: str, data: str | None, part: str | None, batch_size: int | None,
+             assignments: Sequence[str], device: str, debug: bool, output: str | None) -> None:
+    """A checkpoint's metrics on its validation data or other data (under a launcher: sharded)."""
+    from hvdtrain.inference import evaluate_run
+    from hvdtrain.saved_run import open_run
+
+    overrides = _run_overrides(data, batch_size, device, assignments)
+    part = _default_part(part, data)
+
+    def work(engine: Any) -> None:
+        saved = open_run(engine, run_dir, checkpoint, overrides)
+        result = evaluate_run(saved, engine, part)
+        if engine.is_root:  # dist: rank 0 reports and writes
+            path = Path(output) if output else Path(run_dir) / f"evaluate-{_stem(checkpoint)}-{_stem(saved.config.data.name)}-{part}.json"
+            _write_json(str(path), result)
+            metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float))
+            click.echo(f"hvdtrain: evaluated {saved.checkpoint} (epoch {saved.epoch}) on {result['samples']} samples "
+                       f"of {result['data']} ({part}), world size {engine.size}: {metrics}; written to {path}")
+
+    _with_engine(device, debug, work)
+
+
+@cli.command()
+@_saved_run_options
+@click.option("--output", required=True, type=click.Path(dir_okay=False),
+              help="File for the predictions: .npy, .pt or .jsonl (one per input sample, in input order).")
+@click.option("--raw-outputs", is_flag=True, help="The model's raw outputs (logits) instead of the task's answer.")
+def predict(run_dir: str, checkpoint: str, data: str | None, part: str | None, batch_size: int | None,
+            assignments: Sequence[str], device: str, debug: bool, output: str, raw_outputs: bool) -> None:
+    """Predictions for every sample, in the input's order, whatever the world size."""
+    from hvdtrain.inference import check_prediction_path, predict_run, write_predictions
+    from hvdtrain.saved_run import open_run
+
+    path = check_prediction_path(output)
+    overrides = _run_overrides(data, batch_size, device, assignments)
+    part = _default_part(part, data)
+
+    def work(engine: Any) -> None:
+        saved = open_run(engine, run_dir, checkpoint, overrides)
+        found = predict_run(saved, engine, part, raw_outputs)
+        if found is not None:  # dist: rank 0 writes
+            samples, shape = write_predictions(path, found)
+            click.echo(f"hvdtrain: {samples} predictions ({shape}) of {saved.checkpoint} (epoch {saved.epoch}) "
+                       f"on {saved.config.data.name} ({part}), world size {engine.size}, written to {path}")
+
+    _with_engine(device, debug, work)
+
+
+def _stem(name: str) -> str:
+    """A short file-name-safe form of a checkpoint or data name."""
+    text = name.rpartition(":")[2] if ":" in name and not name.endswith((".npz", ".pt")) else Path(name).stem
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text) or "data"
+
+
 @cli.group()
 def bench() -> None:
     """Measure: allreduce bandwidth, training throughput, sampler cost."""
@@ -110,9 +219,11 @@ def _engine_for_bench(device: str = "auto", threads: int = 0):
 def _write_json(path: str | None, payload: Any) -> None:
     if path:
         import json
-        from pathlib import Path
 
-        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+        from hvdtrain.checkpoint import atomic_write
+
+        text = json.dumps(payload, indent=2) + "\n"
+        atomic_write(Path(path), lambda handle: handle.write(text.encode()))
 
 
 @bench.command("allreduce")

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
 from hvdtrain.batch import split_batch
 
@@ -52,17 +52,44 @@ def build_data(cfg: DataConfig, seed: int, target_key: str = "labels") -> DataSp
 
 
 def _build(cfg: DataConfig, seed: int, target_key: str) -> DataSplit:
-    if cfg.name == "digits":
-        x, y = _digits()
-        return _standardized(_split_tensors(x, y, cfg.val_fraction, seed))
-    if cfg.name == "random":
-        x, y = _random_teacher(cfg.samples, cfg.features, cfg.classes, seed)
-        return _split_tensors(x, y, cfg.val_fraction, seed)
-    if cfg.name.endswith(".npz"):
-        x, y = _npz(Path(cfg.name))
-        return _split_tensors(x, y, cfg.val_fraction, seed)
-    if is_factory_path(cfg.name):
+    if is_factory_path(cfg.name) and not cfg.name.endswith(".npz"):
         return _from_factory(cfg, seed, target_key)
+    x, y = _tensors(cfg, seed)
+    split = _split_tensors(x, y, cfg.val_fraction, seed)
+    return _standardized(split) if cfg.name == "digits" else split
+
+
+PARTS = ("val", "train", "all")
+
+
+def build_part(cfg: DataConfig, seed: int, target_key: str, part: str, need_targets: bool = True) -> Dataset:
+    """One part of a data set for evaluation or prediction: the `train` or `val` split as `fit`
+    made it, or `all` of it in the source's own order (a factory's (train, val) pair: train first).
+    Without `need_targets`, an .npz file may hold only `x`."""
+    if part not in PARTS:
+        raise UserError(f"unknown data part '{part}': use one of {', '.join(PARTS)}")
+    if part != "all":
+        return getattr(build_data(cfg, seed, target_key), part)
+    if is_factory_path(cfg.name) and not cfg.name.endswith(".npz"):
+        made = call_factory(cfg.name, "data set", {})
+        if isinstance(made, tuple) and len(made) == 2:
+            return ConcatDataset(list(made))
+        return made
+    x, y = _tensors(cfg, seed, need_targets)
+    if cfg.name == "digits":  # standardized with the training part's statistics, as fit saw it
+        mean, std = _input_statistics(_split_tensors(x, y, cfg.val_fraction, seed).train.tensors[0])
+        x = (x - mean) / std
+    return TensorDataset(x) if y is None else TensorDataset(x, y)
+
+
+def _tensors(cfg: DataConfig, seed: int, need_targets: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inputs and targets of the in-memory sources, in their own order."""
+    if cfg.name == "digits":
+        return _digits()
+    if cfg.name == "random":
+        return _random_teacher(cfg.samples, cfg.features, cfg.classes, seed)
+    if cfg.name.endswith(".npz"):
+        return _npz(Path(cfg.name), need_targets)
     raise UserError(
         f"unknown data set '{cfg.name}': use one of {', '.join(BUILT_IN)}, a path to an .npz file, "
         "or package.module:function"
@@ -158,29 +185,32 @@ def _random_teacher(samples: int, features: int, classes: int, seed: int) -> tup
     return x, (x @ teacher).argmax(dim=1)
 
 
-def _npz(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def _npz(path: Path, need_targets: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not path.is_file():
         raise UserError(f"data file '{path}' does not exist: check data.name (--data)")
     try:
         with np.load(path, allow_pickle=False) as arrays:
-            missing = [k for k in ("x", "y") if k not in arrays.files]
+            missing = [k for k in ("x", "y") if k not in arrays.files and (need_targets or k == "x")]
             if missing:
                 raise UserError(
                     f"data file '{path}' has no array {' or '.join(repr(k) for k in missing)} "
                     f"(it has {', '.join(arrays.files) or 'none'}): save it with np.savez(path, x=inputs, y=labels)"
                 )
-            x, y = arrays["x"], arrays["y"]
+            x, y = arrays["x"], arrays["y"] if "y" in arrays.files else None
     except (OSError, ValueError) as err:
         raise UserError(f"data file '{path}' is not a readable .npz file ({err}): write it with np.savez") from err
+    if not np.issubdtype(x.dtype, np.number):
+        raise UserError(f"data file '{path}': x must be numeric, got dtype {x.dtype}")
+    inputs = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    if y is None:
+        return inputs, None
     if len(x) != len(y):
         raise UserError(f"data file '{path}': x has {len(x)} samples but y has {len(y)}: they must match")
     if not (np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_):
         raise UserError(f"data file '{path}': y must hold class labels or numbers, got dtype {y.dtype}")
-    if not np.issubdtype(x.dtype, np.number):
-        raise UserError(f"data file '{path}': x must be numeric, got dtype {x.dtype}")
     # Integer labels stay integers (classification); anything else becomes float32 (regression, multilabel).
     targets = y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else np.ascontiguousarray(y, dtype=np.float32)
-    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(targets)
+    return inputs, torch.from_numpy(targets)
 
 
 def _from_factory(cfg: DataConfig, seed: int, target_key: str) -> DataSplit:
@@ -272,11 +302,14 @@ def _standardized(split: DataSplit) -> DataSplit:
     """Zero mean, unit variance per input feature, with statistics from the training part only."""
     train_x, train_y = split.train.tensors  # type: ignore[attr-defined]
     val_x, val_y = split.val.tensors  # type: ignore[attr-defined]
-    mean = train_x.mean(dim=0)
-    std = train_x.std(dim=0).clamp_min(0.1)  # border pixels are almost always 0
+    mean, std = _input_statistics(train_x)
     split.train = TensorDataset((train_x - mean) / std, train_y)
     split.val = TensorDataset((val_x - mean) / std, val_y)
     return split
+
+
+def _input_statistics(train_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return train_x.mean(dim=0), train_x.std(dim=0).clamp_min(0.1)  # border pixels are almost always 0
 
 
 def _random_split(dataset: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:

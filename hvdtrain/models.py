@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,6 +14,29 @@ from hvdtrain.errors import UserError
 from hvdtrain.factory import call_factory, is_factory_path
 
 BUILT_IN = ("mlp", "cnn")
+
+
+@dataclass
+class ModelShapes:
+    """What a model is built from besides its config; checkpoints record it, so that a model can
+    be rebuilt after `fit` without the data it was trained on."""
+
+    input_shape: tuple[int, ...] | None
+    num_classes: int | None
+    num_outputs: int | None
+
+    def build(self, cfg: ModelConfig) -> nn.Module:
+        return build_model(cfg, self.input_shape, self.num_classes, self.num_outputs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"input_shape": None if self.input_shape is None else list(self.input_shape),
+                "num_classes": self.num_classes, "num_outputs": self.num_outputs}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelShapes":
+        shape = raw.get("input_shape")
+        return cls(None if shape is None else tuple(int(n) for n in shape), raw.get("num_classes"),
+                   raw.get("num_outputs"))
 
 
 def build_model(cfg: ModelConfig, input_shape: tuple[int, ...] | None, num_classes: int | None,

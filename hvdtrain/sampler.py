@@ -123,3 +123,25 @@ class EvalShardSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         for first in range(self.start, self.stop, self.batch_size):
             yield list(range(first, min(first + self.batch_size, self.stop)))
+
+
+class FixedBatchesByRank(Sampler[list[int]]):
+    """Batches [b x B, (b + 1) x B) in input order; rank r takes batches r, r + W, r + 2W, ...
+
+    The batches are the same whatever the world size, so a model's outputs per sample are
+    bitwise the same with 1 or N processes (a batch's size can change a kernel's rounding,
+    and padding depends on the batch's longest sample), and each sample is seen once.
+    """
+
+    def __init__(self, n: int, batch_size: int, rank: int, world_size: int):
+        self.n, self.batch_size = n, batch_size
+        # dist: this rank's batches, round robin.
+        self.batch_numbers = range(rank, -(-n // batch_size), world_size)
+
+    def __len__(self) -> int:
+        return len(self.batch_numbers)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for number in self.batch_numbers:
+            first = number * self.batch_size
+            yield list(range(first, min(first + self.batch_size, self.n)))

@@ -26,7 +26,7 @@ from hvdtrain.data import DataSplit, batches, build_data, collate_function, data
 from hvdtrain.engine import Engine, GradientSync, RankFailed
 from hvdtrain.errors import FailedAt, UserError, where
 from hvdtrain.loop import evaluate, train_epoch
-from hvdtrain.models import build_model
+from hvdtrain.models import ModelShapes
 from hvdtrain.precision import Precision
 from hvdtrain.progress import EpochProgress, bar_stream, epoch_line, say
 from hvdtrain.run_dir import RunFiles, prepare_run_dir
@@ -46,6 +46,7 @@ class Run:
     split: DataSplit
     precision: Precision
     run_dir: Path | None  # rank 0 only
+    shapes: ModelShapes
     workers: int = 0
     collate: Any = None
     # Set by `check_task`:
@@ -216,8 +217,8 @@ def build(config: Config, engine: Engine) -> Run:
     task = build_task(config.task)
     split: DataSplit = build_data(config.data, config.train.seed, task.target_key)
     task.check_data(split.target_dtype, split.target_shape)
-    model = build_model(config.model, split.input_shape, split.num_classes,
-                        task.num_outputs(split.num_classes, split.target_shape)).to(engine.device)
+    shapes = ModelShapes(split.input_shape, split.num_classes, task.num_outputs(split.num_classes, split.target_shape))
+    model = shapes.build(config.model).to(engine.device)
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = engine.wrap_optimizer(
@@ -226,7 +227,7 @@ def build(config: Config, engine: Engine) -> Run:
     )
     # Compiled after wrapping: Horovod's hooks sit on the parameters, which compiling keeps.
     forward = torch.compile(model) if config.train.compile else model
-    return Run(forward, optimizer, task, split, Precision(config.train.precision, engine.device), None,
+    return Run(forward, optimizer, task, split, Precision(config.train.precision, engine.device), None, shapes,
                workers=data_workers(config.data.num_workers, split.train, engine),
                collate=collate_function(config.data.collate, config.task.ignore_index, task.target_key))
 
@@ -325,6 +326,7 @@ def _checkpoint_state(run: Run, config: Config, engine: Engine, epoch: int, step
         "world_size": engine.size,
         "scaler": run.precision.state_dict(),
         "task": run.task.name,
+        "shapes": run.shapes.to_dict(),  # what `evaluate`, `predict` and `export` rebuild the model from
         "config": config.to_dict(),
     }
 

@@ -10,7 +10,8 @@ A task answers three questions about a batch:
                                                 every batch and rank (exact when sharded)
 
 and, optionally, `summarize(totals)` turns the totals into values that are not plain
-ratios (R², perplexity). A model may compute its own loss: a forward that returns a
+ratios (R², perplexity), and `predict(output)` turns an output into what `hvdtrain predict`
+writes per sample (a class, 0/1 per label; by default the raw output). A model may compute its own loss: a forward that returns a
 scalar tensor, a dict with "loss" or an object with `.loss` (Hugging Face's outputs) is
 trained on that loss, and the task's metrics still see the rest of the output.
 """
@@ -52,6 +53,11 @@ class Task:
 
     def summarize(self, totals: Totals) -> dict[str, float]:
         return ratios(totals)
+
+    def predict(self, output: Any) -> torch.Tensor | None:
+        """`hvdtrain predict`'s answer per sample, from the model's output (here its raw output);
+        batch-first. None when the output holds no predictions (a model that returns only a loss)."""
+        return predictions(output)
 
     def check(self, output: Any, target: Any, held_targets: torch.Tensor | None) -> None:
         """Raises UserError when the first batch shows the data and model cannot work with this task."""

@@ -68,6 +68,10 @@ class Classification(Task):
             found["top5_acc"] = (((top5 == labels.unsqueeze(1)).any(dim=1) & scored).sum(), count)
         return found
 
+    def predict(self, output: Any) -> torch.Tensor | None:
+        logits = predictions(output)
+        return None if logits is None else logits.argmax(dim=1)  # the class (per position for (N, C, ...))
+
     def check_data(self, target_dtype: torch.dtype | None, target_shape: tuple[int, ...] | None) -> None:
         if target_dtype is not None and target_dtype.is_floating_point and target_shape == ():
             raise UserError(f"task classification: the targets are {target_dtype} numbers, one per sample; "
@@ -189,6 +193,10 @@ class Multilabel(Task):
     def __init__(self, target_key: str = "labels"):
         self.target_key = target_key
 
+    def predict(self, output: Any) -> torch.Tensor | None:
+        logits = predictions(output)
+        return None if logits is None else (logits > 0).to(torch.int64)  # probability above 1/2
+
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         logits = predictions(output)
         return F.binary_cross_entropy_with_logits(logits, target.to(logits.dtype))
@@ -259,6 +267,10 @@ class LanguageModel(Task):
         if self.shift:
             logits, target = logits[:, :-1], target[:, 1:]
         return logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+
+    def predict(self, output: Any) -> torch.Tensor | None:
+        logits = predictions(output)
+        return None if logits is None else logits.argmax(dim=-1)  # position t: the token at t + 1 (with shift)
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         logits, target = self._aligned(output, target)

@@ -36,12 +36,12 @@ class FirstBatch:
 
 
 def check_first_batch(task: Task, model: nn.Module, batch: Any, held_targets: torch.Tensor | None,
-                      precision: Precision) -> FirstBatch:
+                      precision: Precision, stage: str = "training") -> FirstBatch:
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), precision.autocast():
-            output, target = _guarded(task, "the model's forward", lambda: task.forward(model, batch), batch)
+            output, target = guarded(task, "the model's forward", lambda: task.forward(model, batch), batch, stage)
             own = model_loss(output)
             if target is None and own is None and isinstance(batch, Mapping):
                 raise UserError(f"the batch is a dict with keys {', '.join(map(repr, batch))} but no "
@@ -49,13 +49,13 @@ def check_first_batch(task: Task, model: nn.Module, batch: Any, held_targets: to
                                 f"--set task.target_key=KEY")
             if own is None or predictions(output) is not None:  # nothing to check when only a loss came back
                 task.check(output, target, held_targets)
-            loss = own if own is not None else _guarded(task, "its loss", lambda: task.loss(output, target), batch)
+            loss = own if own is not None else guarded(task, "its loss", lambda: task.loss(output, target), batch, stage)
             _check_loss(task, loss, "the model's" if own is not None else f"task '{task.name}' loss")
-            metrics = _guarded(task, "its metrics", lambda: batch_metrics(task, output, target, batch_size(batch)), batch)
+            metrics = guarded(task, "its metrics", lambda: batch_metrics(task, output, target, batch_size(batch)), batch, stage)
             template = _check_metrics(task, metrics)
             sums = MetricSums(torch.device("cpu"), template)
             sums.add(metrics)
-            reported = _guarded(task, "its summarize", lambda: task.summarize(sums.sums), batch)
+            reported = guarded(task, "its summarize", lambda: task.summarize(sums.sums), batch, stage)
     finally:
         model.train(was_training)
     return FirstBatch(template, sorted(reported))
@@ -80,7 +80,8 @@ def best_metric(name: str, mode: str, task: Task, reported: list[str]) -> tuple[
     return f"val_{metric}", metric in task.maximize
 
 
-def _guarded(task: Task, what: str, call: Callable[[], Any], batch: Any) -> Any:
+def guarded(task: Task, what: str, call: Callable[[], Any], batch: Any, stage: str = "training") -> Any:
+    """`call()`, with a failure of the user's code turned into one line about the first batch."""
     try:
         return call()
     except UserError:
@@ -90,7 +91,7 @@ def _guarded(task: Task, what: str, call: Callable[[], Any], batch: Any) -> Any:
         if isinstance(batch, Mapping) and task.target_key not in batch:
             hint = (f"; it has no '{task.target_key}' key (task.target_key): if another key holds the target, "
                     "--set task.target_key=KEY")
-        raise UserError(f"the first training batch failed in {what} (task {task.name}): {type(err).__name__}: "
+        raise UserError(f"the first {stage} batch failed in {what} (task {task.name}): {type(err).__name__}: "
                         f"{_first_line(err)}{where(err)}; the batch was {describe(batch)}{hint}") from err
 
 

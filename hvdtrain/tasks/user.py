@@ -3,7 +3,7 @@
     a loss function     loss(output, target) -> scalar tensor   (torch.nn.functional:l1_loss works)
     a loss module class torch.nn:SmoothL1Loss                    (made with no arguments)
     a task object       with `loss` and optionally `metrics`, `forward`, `summarize`,
-                        `maximize`, `primary` and `target_key`   (see hvdtrain.tasks.base)
+                        `predict`, `maximize`, `primary` and `target_key`   (see hvdtrain.tasks.base)
     a task class        the same, made with no arguments
     a factory           a function of no arguments returning any of the above
 """
@@ -22,7 +22,7 @@ from hvdtrain.factory import resolve_factory
 from hvdtrain.metrics import Totals, ratios
 from hvdtrain.tasks.base import Task, predictions
 
-_PARTS = ("loss", "metrics", "forward", "summarize")
+_PARTS = ("loss", "metrics", "forward", "summarize", "predict")
 
 
 def user_task(path: str, target_key: str) -> Task:
@@ -114,6 +114,9 @@ class UserTask(Task):
 
     def metrics(self, output: Any, target: Any) -> Mapping[str, tuple[Any, Any]]:
         return self.impl.metrics(output, target) if hasattr(self.impl, "metrics") else {}
+
+    def predict(self, output: Any) -> torch.Tensor | None:
+        return self.impl.predict(output) if hasattr(self.impl, "predict") else super().predict(output)
 
     def summarize(self, totals: Totals) -> dict[str, float]:
         values = ratios(totals)
