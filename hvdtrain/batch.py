@@ -59,6 +59,21 @@ def first_tensor(batch: Any) -> torch.Tensor | None:
     return None
 
 
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested structure (an output object's attributes too), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (tuple, list)):
+        items = list(value)
+    elif hasattr(value, "__dict__") and not isinstance(value, nn.Module):
+        items = list(vars(value).values())
+    else:
+        return []
+    return [tensor for item in items for tensor in tensors_in(item)]
+
+
 def split_batch(batch: Any, target_key: str) -> tuple[Any, Any]:
     """(model inputs, target); the target is None when the batch holds none."""
     if isinstance(batch, dict):

@@ -40,11 +40,19 @@ def atomic_write(path: Path, write: Any) -> None:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, shared_file_mode())  # mkstemp makes files private; others on a cluster read runs
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def shared_file_mode() -> int:
+    """The mode a new file gets from the process's umask (0o644 under the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _fsync_dir(directory: Path) -> None:

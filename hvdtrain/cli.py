@@ -199,6 +199,36 @@ def predict(run_dir: str, checkpoint: str, data: str | None, part: str | None, b
     _with_engine(device, debug, work)
 
 
+@cli.command("export")
+@_saved_run_options
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "torchscript", "pt2", "onnx"]),
+              default="safetensors", show_default=True)
+@click.option("--output", type=click.Path(dir_okay=False), help="File to write (default RUN_DIR/export/model.<format>).")
+def export_model(run_dir: str, checkpoint: str, data: str | None, part: str | None, batch_size: int | None,
+                 assignments: Sequence[str], device: str, debug: bool, fmt: str, output: str | None) -> None:
+    """The model as safetensors, TorchScript, a torch.export program or ONNX, checked by loading it back."""
+    from hvdtrain import export
+    from hvdtrain.inference import first_batch, part_of
+    from hvdtrain.saved_run import open_run
+
+    overrides = _run_overrides(data, batch_size, device, assignments)
+    part = _default_part(part, data)
+
+    def work(engine: Any) -> None:
+        saved = open_run(engine, run_dir, checkpoint, overrides)
+        with engine.agree("export"):  # dist: rank 0 writes; a failure there stops every rank
+            if engine.is_root:
+                dataset, collate = part_of(saved, part, need_targets=False)
+                batch = first_batch(dataset, saved.config.data.batch_size, collate, engine)
+                path = Path(output) if output else export.default_path(saved, fmt)
+                done = export.export(saved, fmt, path, batch)
+                click.echo(f"hvdtrain: exported {saved.checkpoint} (epoch {saved.epoch}) as {fmt} to {done.path}; "
+                           f"loaded back, its outputs on {done.samples} samples of {saved.config.data.name} ({part}) "
+                           f"differ from the checkpoint's model by at most {done.max_abs_diff:.3g}")
+
+    _with_engine(device, debug, work)
+
+
 def _stem(name: str) -> str:
     """A short file-name-safe form of a checkpoint or data name."""
     text = name.rpartition(":")[2] if ":" in name and not name.endswith((".npz", ".pt")) else Path(name).stem

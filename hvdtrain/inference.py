@@ -45,9 +45,9 @@ def evaluate_run(saved: SavedRun, engine: Engine, part: str) -> dict[str, Any]:
     precision = Precision(cfg.train.precision, engine.device)
     with engine.agree("data"):
         dataset, collate = part_of(saved, part)
-        first = _first_batch(dataset, cfg.data.batch_size, collate, engine)
+        first = first_batch(dataset, cfg.data.batch_size, collate, engine)
         held = dataset.tensors[-1] if isinstance(dataset, TensorDataset) and len(dataset.tensors) > 1 else None
-        template = check_first_batch(saved.task, saved.model, first, held, precision, "evaluation").template
+        template = checkfirst_batch(saved.task, saved.model, first, held, precision, "evaluation").template
     sampler = EvalShardSampler(len(dataset), cfg.data.batch_size, engine.rank, engine.size)  # dist
     result = evaluate(saved.model, engine, saved.task, batches(dataset, sampler, 0, False, collate), template,
                       precision, cfg.train.channels_last)
@@ -64,7 +64,7 @@ def predict_run(saved: SavedRun, engine: Engine, part: str, raw: bool) -> list[t
     precision = Precision(cfg.train.precision, engine.device)
     with engine.agree("data"):
         dataset, collate = part_of(saved, part, need_targets=False)
-        first = _first_batch(dataset, cfg.data.batch_size, collate, engine)
+        first = first_batch(dataset, cfg.data.batch_size, collate, engine)
         # dist: data that does not fit the model fails here, on every rank, with one line
         guarded(saved.task, "the model's forward", lambda: _predicted(saved, first, precision, raw), first,
                 "prediction")
@@ -91,7 +91,7 @@ def _predicted(saved: SavedRun, batch: Any, precision: Precision, raw: bool) -> 
     return found.float() if found.dtype in (torch.float16, torch.bfloat16) else found
 
 
-def _first_batch(dataset: Dataset, batch_size: int, collate: Any, engine: Engine) -> Any:
+def first_batch(dataset: Dataset, batch_size: int, collate: Any, engine: Engine) -> Any:
     size = min(batch_size, len(dataset))  # type: ignore[arg-type]
     first = next(iter(batches(dataset, [list(range(size))], 0, False, collate)))
     return to_device(first, engine.device)
