@@ -26,6 +26,7 @@ FIT_FLAGS = {
     "threads": "train.threads", "precision": "train.precision", "channels_last": "train.channels_last",
     "compile": "train.compile", "nonfinite": "train.nonfinite", "num_workers": "data.num_workers", "run_dir": "run.dir", "resume": "run.resume",
     "overwrite": "run.overwrite", "progress": "run.progress", "elastic": "train.elastic",
+    "log_every": "run.log_every", "tensorboard": "run.tensorboard", "horovod_timeline": "run.horovod_timeline",
 }
 
 
@@ -69,6 +70,10 @@ def cli() -> None:
 @click.option("--resume", is_flag=True, default=None, help="Continue from the newest checkpoint in --run-dir.")
 @click.option("--overwrite", is_flag=True, default=None, help="Start afresh in an existing --run-dir.")
 @click.option("--progress", type=click.Choice(["auto", "bar", "off"]), help="Rank 0's progress bar.")
+@click.option("--log-every", type=int, help="Also log to TensorBoard every N optimizer steps (0: per epoch).")
+@click.option("--tensorboard/--no-tensorboard", default=None, help="TensorBoard event files in the run directory (default on).")
+@click.option("--horovod-timeline", is_flag=True, default=None,
+              help="Record Horovod's timeline into RUN_DIR/horovod-timeline.json (open it in Perfetto).")
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
               help="Any config key, e.g. --set data.num_workers=2 (repeatable).")
 @click.option("--engine", type=click.Choice(["auto", "horovod", "local"]), help="Default: Horovod under a launcher.")
@@ -85,7 +90,7 @@ def fit(config_path: str | None, assignments: Sequence[str], engine: str | None,
     from hvdtrain.trainer import fit as run_fit
 
     run_engine = start_engine(config.train.engine, config.train.device, config.train.threads,
-                              config.train.stall_timeout, config.train.keep_freed_memory)
+                              config.train.stall_timeout, config.train.keep_freed_memory, config.run.horovod_timeline)
     try:
         run_fit(config, run_engine)
     except Exception as err:

@@ -200,8 +200,17 @@ class RunConfig:
     """Whether a higher (`max`) or lower (`min`) best_metric is better; `auto`: as the task says."""
     progress: Literal["auto", "bar", "off"] = "auto"
     """Rank 0's progress bar: `auto` shows it when the terminal is interactive."""
+    tensorboard: bool = True
+    """Rank 0 writes TensorBoard event files into the run directory (tensorboard --logdir runs)."""
+    log_every: int = 0
+    """Also log the training loss (mean over ranks and steps), learning rate and samples/s every
+    this many optimizer steps; 0: once per epoch only. dist: one small allreduce each time."""
+    horovod_timeline: bool = False
+    """Record Horovod's timeline of the run (every allreduce, per tensor and phase) as a Chrome
+    trace in horovod-timeline.json in the run directory; open it in Perfetto (ui.perfetto.dev)."""
 
     def __post_init__(self) -> None:
+        _require(self.log_every >= 0, "run.log_every", f"must be 0 (per epoch) or more, got {self.log_every}")
         _require(self.checkpoint_every >= 1, "run.checkpoint_every", f"must be at least 1, got {self.checkpoint_every}")
         _require(self.keep_last >= 1, "run.keep_last", f"must be at least 1, got {self.keep_last}")
         _require(not (self.resume and self.overwrite), "run.resume", "and run.overwrite exclude each other: pick one")

@@ -75,7 +75,7 @@ def _train(state: ElasticState, run: Run, config: Config, engine: Engine, starte
     run_dir = Path(state.run_dir)
     totals = Totals(started, state.start_epoch, record=state.record,
                     train_seconds=state.train_seconds, train_samples=state.train_samples)
-    files = open_run_files(config, engine, run, run_dir, state.epoch)
+    files = open_run_files(config, engine, run, run_dir, state.epoch, state.step)
     store = CheckpointStore(run_dir, config.run.keep_last, *run.best)
     stream = bar_stream(config.run.progress) if engine.is_root else None
     for epoch in range(state.epoch + 1, config.train.epochs + 1):

@@ -3,6 +3,8 @@
     config.yaml     the effective configuration
     metrics.jsonl   one JSON object per epoch
     summary.json    the final figures
+    events.out.tfevents.*   TensorBoard's (run.tensorboard)
+    horovod-timeline.json   Horovod's timeline (run.horovod_timeline)
     checkpoints/    see hvdtrain.checkpoint
 """
 
@@ -19,6 +21,9 @@ import yaml
 from hvdtrain.checkpoint import atomic_write, best_entry
 from hvdtrain.config import RunConfig
 from hvdtrain.errors import UserError
+from hvdtrain.event_log import EventLog
+
+TIMELINE = "horovod-timeline.json"
 
 
 def prepare_run_dir(cfg: RunConfig) -> Path:
@@ -61,8 +66,9 @@ def _fresh_default_dir() -> Path:
 class RunFiles:
     """Writes the run directory's files (rank 0 only)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, events: EventLog | None = None):
         self.path = path
+        self.events = events
 
     def write_config(self, config: dict[str, Any]) -> None:
         text = yaml.safe_dump(config, sort_keys=False)
@@ -71,6 +77,16 @@ class RunFiles:
     def append_metrics(self, record: dict[str, Any]) -> None:
         with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
+        if self.events is not None:
+            self.events.epoch(record)
+
+    def log_steps(self, step: int, values: dict[str, float]) -> None:
+        if self.events is not None:
+            self.events.steps(step, values)
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
 
     def truncate_metrics(self, after_epoch: int) -> None:
         """On resume: drops records of epochs after the checkpoint, which are replayed."""

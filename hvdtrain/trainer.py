@@ -25,11 +25,12 @@ from hvdtrain.config import Config
 from hvdtrain.data import DataSplit, batches, build_data, collate_function, data_workers
 from hvdtrain.engine import Engine, GradientSync, RankFailed
 from hvdtrain.errors import FailedAt, UserError, where
+from hvdtrain.event_log import EventLog, StepLog
 from hvdtrain.loop import evaluate, train_epoch
 from hvdtrain.models import ModelShapes
 from hvdtrain.precision import Precision
 from hvdtrain.progress import EpochProgress, bar_stream, epoch_line, say
-from hvdtrain.run_dir import RunFiles, prepare_run_dir
+from hvdtrain.run_dir import TIMELINE, RunFiles, prepare_run_dir
 from hvdtrain.sampler import EvalShardSampler, ShardedBatchSampler
 from hvdtrain.schedule import LearningRate
 from hvdtrain.tasks import Task, build_task
@@ -58,6 +59,7 @@ class Run:
     train_batches: Any = None
     val_batches: Any = None
     learning_rate: LearningRate | None = None
+    step_log: StepLog | None = None
 
 
 def fit(config: Config, engine: Engine) -> dict[str, Any]:
@@ -71,6 +73,8 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
         return fit_elastic(config, engine, started)
 
     with engine.agree("setup"):  # dist: a failure on any rank stops all of them here
+        if config.run.horovod_timeline:
+            engine.require_timeline()
         run = build(config, engine)
         shard(run, config, engine)
         check_task(run, config, engine)
@@ -85,11 +89,15 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
     start_epoch, step = engine.broadcast_object((start_epoch, step), "start")
 
     totals = Totals(started, start_epoch)
-    files = open_run_files(config, engine, run, run_dir, start_epoch)
+    files = open_run_files(config, engine, run, run_dir, start_epoch, step)
     store = CheckpointStore(run_dir, config.run.keep_last, *run.best)
     stream = bar_stream(config.run.progress) if engine.is_root else None  # dist: rank 0 only
+    if config.run.horovod_timeline:
+        engine.start_timeline(run_dir / TIMELINE)
     for epoch in range(start_epoch + 1, config.train.epochs + 1):
         step = run_epoch(run, config, engine, epoch, step, totals, files, store, stream)
+    if config.run.horovod_timeline:
+        engine.stop_timeline()
     return finish(config, engine, run, run_dir, totals, files)
 
 
@@ -104,11 +112,13 @@ class Totals:
     train_samples: int = 0
 
 
-def open_run_files(config: Config, engine: Engine, run: Run, run_dir: Path, start_epoch: int) -> RunFiles | None:
+def open_run_files(config: Config, engine: Engine, run: Run, run_dir: Path, start_epoch: int,
+                   start_step: int) -> RunFiles | None:
     """Rank 0's writer of the run directory (None elsewhere); says where the run goes."""
     if not engine.is_root:  # dist: rank 0 writes shared files
         return None
-    files = RunFiles(run_dir)
+    events = EventLog(run_dir, resumed_at_step=start_step) if config.run.tensorboard else None
+    files = RunFiles(run_dir, events)
     files.write_config(config.to_dict())
     files.truncate_metrics(after_epoch=start_epoch)
     say(f"hvdtrain: run directory {run_dir}  (world size {engine.size}, "
@@ -133,6 +143,9 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
         position[0] = f"epoch {epoch}, step {done + 1}"
         engine.at(f"epoch {epoch}, training after step {done}")  # dist: for a stall report
         progress.step(done, loss)
+        logged = run.step_log.step(done, loss, run.learning_rate(done - 1))
+        if logged is not None and files is not None:
+            files.log_steps(done, logged)
         if after_step is not None:
             after_step(done)
 
@@ -202,6 +215,7 @@ def finish(config: Config, engine: Engine, run: Run, run_dir: Path, totals: Tota
         best = files.best_record(key, higher)  # over every epoch recorded, a resumed run's too
         summary.update(best_value=best.get(key), best_epoch=best.get("epoch"))
         files.write_summary(summary)
+        files.close()
         if record:
             best_text = f" (best {best[key]:.4f} at epoch {best['epoch']})" if best else ""
             say(f"hvdtrain: done: {key} {record[key]:.4f} after {epochs} epochs{best_text}; "
@@ -249,6 +263,7 @@ def shard(run: Run, config: Config, engine: Engine) -> None:
     pin = engine.device.type == "cuda"  # pinned host memory lets copies to the GPU overlap compute
     run.train_batches = batches(run.split.train, run.train_sampler, run.workers, pin, run.collate)
     run.val_batches = batches(run.split.val, val_sampler, run.workers, pin, run.collate)
+    run.step_log = StepLog(engine, config.run.log_every, batch * accumulate)
     run.learning_rate = LearningRate.from_config(
         config.optim, world_size=engine.size, accumulate=accumulate, adasum=config.train.adasum,
         steps_per_epoch=len(run.train_sampler) // accumulate, epochs=config.train.epochs,

@@ -41,7 +41,7 @@ def launcher_rank() -> int | None:
 
 
 def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, stall_timeout: int = 300,
-                 keep_freed_memory: bool = True) -> Engine:
+                 keep_freed_memory: bool = True, timeline: bool = False) -> Engine:
     """Starts Horovod when a launcher started us (or when asked), else a local engine.
 
     dist: sets this process's device (cuda:<local rank>) and thread count (cores
@@ -57,7 +57,7 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
 
     from hvdtrain.engine.horovod import HorovodEngine  # imports horovod.torch
 
-    HorovodEngine.init(stall_timeout)
+    HorovodEngine.init(stall_timeout, timeline)
     local_rank, local_size = HorovodEngine.local_facts()
     engine_device = _pick_device(device, local_rank, local_size)
     torch.set_num_threads(_threads_per_process(threads, local_size))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import torch
@@ -133,6 +134,19 @@ class Engine(ABC):
                 raise RankFailed(rank, kind, message)
         if error is not None:
             raise error
+
+    # Horovod's timeline: the engine's own record of every collective.
+    def require_timeline(self) -> None:
+        """Raises unless this engine can record a timeline."""
+        raise UserError("--horovod-timeline records Horovod's collectives, and this process runs without Horovod: "
+                        "start it with horovodrun or mpirun (-np 1 works too)")
+
+    def start_timeline(self, path: Path) -> None:
+        """Starts recording into `path` (rank 0 writes it); call on every rank."""
+        self.require_timeline()
+
+    def stop_timeline(self) -> None:
+        """Stops recording and closes the file."""
 
     # Elastic training: only Horovod's Gloo launcher can replace processes.
     def require_elastic(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -60,8 +61,9 @@ class HorovodEngine(Engine):
     local_size = property(lambda self: hvd.local_size())
 
     @staticmethod
-    def init(stall_timeout: int = 300) -> None:
-        """Joins the job the launcher started (horovodrun or mpirun)."""
+    def init(stall_timeout: int = 300, timeline: bool = False) -> None:
+        """Joins the job the launcher started (horovodrun or mpirun); `timeline` lets the run
+        record Horovod's timeline into a file chosen later (its run directory)."""
         if hvd is None:
             raise UserError(
                 f"started by a launcher but Horovod does not import ({_import_error}): "
@@ -74,6 +76,8 @@ class HorovodEngine(Engine):
             os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(stall_timeout))
         for name, value in MPI_SETTINGS.items():  # read by MPI_Init; a user's own settings win
             os.environ.setdefault(name, value)
+        if timeline:
+            os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"  # read at init: start_timeline works only then
         hvd.init()
 
     @staticmethod
@@ -149,6 +153,15 @@ class HorovodEngine(Engine):
 
     def run_elastic(self, train: Callable[[ElasticState], T], state: ElasticState) -> T:
         return hvd.elastic.run(train)(state)
+
+    def require_timeline(self) -> None:
+        pass
+
+    def start_timeline(self, path: Path) -> None:
+        hvd.start_timeline(str(path), mark_cycles=False)  # dist: the coordinator (rank 0) writes it
+
+    def stop_timeline(self) -> None:
+        hvd.stop_timeline()
 
     def barrier(self) -> None:
         with self.activity.waiting("barrier"):
