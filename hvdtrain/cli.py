@@ -234,6 +234,41 @@ def export_model(run_dir: str, checkpoint: str, data: str | None, part: str | No
     _with_engine(device, debug, work)
 
 
+@cli.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False))
+@click.option("--output", type=click.Path(dir_okay=False),
+              help="PNG to write (default RUN_DIR/curves.png for one run, curves.png here for several).")
+def plot(run_dirs: Sequence[str], output: str | None) -> None:
+    """Loss and metrics against epoch and wall time; several runs overlaid."""
+    from hvdtrain import plot as figure
+    from hvdtrain.runs import read_run
+
+    runs = [read_run(Path(path)) for path in run_dirs]
+    empty = [str(run.path) for run in runs if not run.epochs]
+    if empty:
+        raise UserError(f"nothing to plot in {', '.join(empty)}: no epoch finished there yet (metrics.jsonl is empty)")
+    path = Path(output) if output else (runs[0].path / "curves.png" if len(runs) == 1 else Path("curves.png"))
+    if path.suffix.lower() != ".png":
+        raise UserError(f"--output '{path}' must end in .png")
+    figure.draw(runs, path)
+    click.echo(f"hvdtrain: wrote {path} ({', '.join(figure.panels(runs))} against epoch and wall time, "
+               f"{len(runs)} run{'s' if len(runs) > 1 else ''})")
+
+
+@cli.command("runs")
+@click.argument("root", default="runs", type=click.Path(file_okay=False))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the table as JSON.")
+def list_runs(root: str, json_path: str | None) -> None:
+    """A table of the runs under ROOT (default runs/): world size, epochs, best metric, speed, status."""
+    from hvdtrain.runs import as_json, find_runs, table
+
+    found = find_runs(Path(root))
+    if not found:
+        raise UserError(f"no run directories under '{root}': runs are where `fit --run-dir` put them")
+    click.echo(table(found))
+    _write_json(json_path, as_json(found))
+
+
 def _stem(name: str) -> str:
     """A short file-name-safe form of a checkpoint or data name."""
     text = name.rpartition(":")[2] if ":" in name and not name.endswith((".npz", ".pt")) else Path(name).stem
