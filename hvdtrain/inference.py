@@ -47,7 +47,7 @@ def evaluate_run(saved: SavedRun, engine: Engine, part: str) -> dict[str, Any]:
         dataset, collate = part_of(saved, part)
         first = first_batch(dataset, cfg.data.batch_size, collate, engine)
         held = dataset.tensors[-1] if isinstance(dataset, TensorDataset) and len(dataset.tensors) > 1 else None
-        template = checkfirst_batch(saved.task, saved.model, first, held, precision, "evaluation").template
+        template = check_first_batch(saved.task, saved.model, first, held, precision, "evaluation").template
     sampler = EvalShardSampler(len(dataset), cfg.data.batch_size, engine.rank, engine.size)  # dist
     result = evaluate(saved.model, engine, saved.task, batches(dataset, sampler, 0, False, collate), template,
                       precision, cfg.train.channels_last)

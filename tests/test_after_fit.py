@@ -1,0 +1,344 @@
+"""After `fit`: evaluate, predict, export, TensorBoard, the timeline, plot, runs and plan, for real
+under horovodrun and mpirun on one shared run directory, and on the run directories of every task."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import LAUNCHERS, requires_launchers, run
+from hvdtrain.cli import main
+
+LOCAL = ["--progress", "off", "--engine", "local", "--threads", "1"]
+HVD2 = LAUNCHERS["horovodrun-mpi"][:1] + ["-np", "2"]  # plain horovodrun, as users type it
+MPIRUN = LAUNCHERS["mpirun"]
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _ok(result) -> str:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A digits run of 3 epochs under `horovodrun -np 2`, with step logging and Horovod's timeline."""
+    run_dir = tmp_path_factory.mktemp("after") / "np2"
+    _ok(run([*HVD2, "hvdtrain", "fit", "--progress", "off", "--epochs", "3", "--run-dir", str(run_dir),
+             "--log-every", "4", "--horovod-timeline"], cwd=run_dir.parent))
+    return run_dir
+
+
+# --- TensorBoard and the timeline ---------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_tensorboard_events_read_back_with_tensorboard_s_own_reader(trained):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(trained))
+    events.Reload()
+    records = _records(trained)
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "val/loss", "val/acc", "val/top5_acc", "lr", "train/samples_per_s",
+            "steps/train_loss", "steps/lr", "steps/samples_per_s"} <= tags
+    for tag, key in (("val/acc", "val_acc"), ("train/loss", "train_loss"), ("lr", "lr")):
+        points = events.Scalars(tag)
+        assert [p.step for p in points] == [r["step"] for r in records]
+        assert [p.value for p in points] == pytest.approx([r[key] for r in records], rel=1e-6)
+    steps = events.Scalars("steps/train_loss")
+    assert [p.step for p in steps] == list(range(4, records[-1]["step"] + 1, 4))
+    assert steps[-1].value < steps[0].value  # it learns
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_the_horovod_timeline_holds_the_allreduces_of_the_run(trained):
+    events = json.loads((trained / "horovod-timeline.json").read_text())  # whole: closed when fit ended
+    names = {e.get("name") for e in events}
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE"} <= names
+    tensors = {e["args"]["name"] for e in events if e.get("name") == "process_name" and "name" in e.get("args", {})}
+    assert any(t.startswith("allreduce.") and t.endswith(".weight") for t in tensors), tensors
+    assert sum(e.get("name") == "ALLREDUCE" for e in events) >= 3 * 11  # every step of 3 epochs
+
+
+def test_the_timeline_needs_horovod(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", *LOCAL, "--run-dir", str(tmp_path / "r"), "--horovod-timeline"])
+    assert stop.value.code == 2 and "start it with horovodrun or mpirun" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+# --- evaluate and predict under each launcher ------------------------------------------
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+@pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
+def test_evaluate_gives_fit_s_validation_metrics_under_a_launcher(trained, launcher, tmp_path):
+    out = tmp_path / "eval.json"
+    prefix = HVD2 if launcher == "horovodrun" else MPIRUN
+    _ok(run([*prefix, "hvdtrain", "evaluate", str(trained), "--output", str(out)], cwd=tmp_path))
+    result = json.loads(out.read_text())
+    best = json.loads((trained / "summary.json").read_text())["best_epoch"]
+    record = next(r for r in _records(trained) if r["epoch"] == best)
+    assert result["world_size"] == 2 and result["samples"] == record["val_samples"] == 359
+    assert result["acc"] == record["val_acc"] and result["loss"] == pytest.approx(record["val_loss"], rel=1e-9)
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_predict_writes_the_same_file_for_one_and_two_processes(trained, tmp_path):
+    def predict(prefix: list[str], path: Path) -> str:
+        args = ["predict", str(trained), "--data", "digits", "--output", str(path), "--batch-size", "50"]
+        if prefix:
+            _ok(run([*prefix, "hvdtrain", *args], cwd=tmp_path))
+        else:
+            main(args)  # one process, no launcher
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    assert predict([], tmp_path / "alone.npy") == predict(HVD2, tmp_path / "horovodrun.npy")
+    assert predict([], tmp_path / "alone.jsonl") == predict(MPIRUN, tmp_path / "mpirun.jsonl")
+    # In the input's order: the best checkpoint's classes of load_digits' images, one per image.
+    from sklearn.datasets import load_digits
+
+    predicted = np.load(tmp_path / "alone.npy")
+    assert predicted.shape == (1797,) and (predicted == load_digits().target).mean() > 0.9
+    lines = (tmp_path / "alone.jsonl").read_text().splitlines()
+    assert [json.loads(line)["index"] for line in lines] == list(range(1797))
+    assert [json.loads(line)["prediction"] for line in lines] == predicted.tolist()
+
+
+# --- export ---------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_export_under_horovodrun_loads_back_and_matches(trained, tmp_path):
+    out = _ok(run([*HVD2, "hvdtrain", "export", str(trained), "--format", "pt2", "--output",
+                   str(tmp_path / "m.pt2")], cwd=tmp_path))
+    assert "differ from the checkpoint's model by at most" in out
+    program = torch.export.load(str(tmp_path / "m.pt2")).module()
+    from hvdtrain.engine import LocalEngine
+    from hvdtrain.saved_run import open_run
+
+    saved = open_run(LocalEngine(torch.device("cpu")), trained)
+    images = torch.randn(7, 1, 8, 8)  # another batch size than the export's
+    assert torch.equal(program(images), saved.model(images).detach())
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torchscript", "onnx"])
+def test_every_export_format_is_checked_by_loading_it_back(finished_digits, fmt, tmp_path, capsys):
+    main(["export", str(finished_digits), "--format", fmt, "--output", str(tmp_path / f"model.{fmt}")])
+    out = capsys.readouterr().out
+    assert f"as {fmt} to" in out and "differ from the checkpoint's model by at most" in out
+    assert float(out.rsplit("at most ", 1)[1]) <= 1e-4
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
+    if fmt == "safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
+            config = json.loads(handle.metadata()["hvdtrain.config"])
+        assert config["model"]["name"] == "mlp" and handle is not None
+
+
+@pytest.fixture(scope="module")
+def finished_digits(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("digits") / "run"
+    main(["fit", *LOCAL, "--epochs", "2", "--run-dir", str(run_dir)])
+    return run_dir
+
+
+# --- every task's run directory ----------------------------------------------------------
+
+TASKS = {
+    "regression": ["--data", "user_code:regression_data", "--task", "regression", "--optimizer", "adamw",
+                   "--lr", "0.01"],
+    "multilabel": ["--data", "user_code:multilabel_data", "--task", "multilabel", "--batch-size", "16"],
+    "language-model": ["--data", "user_code:sequences", "--model", "user_code:bigram_lm", "--task",
+                       "language-model", "--batch-size", "16", "--optimizer", "adamw", "--lr", "0.05"],
+    "own loss, dict batches": ["--data", "user_code:dict_blobs", "--model", "user_code:own_loss",
+                               "--set", "task.target_key=y", "--batch-size", "16"],
+    "user task": ["--data", "user_code:blobs", "--model", "user_code:tiny_net", "--task",
+                  "torch.nn:CrossEntropyLoss", "--batch-size", "16"],
+}
+PREDICTION_SHAPES = {"regression": (300, 2), "multilabel": (300, 4), "language-model": (320, 12),
+                     "own loss, dict batches": (300,), "user task": (300, 3)}
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_evaluate_predict_and_export_work_for_every_task(task, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    main(["fit", *LOCAL, "--epochs", "2", "--run-dir", str(run_dir), *TASKS[task]])
+    last = _records(run_dir)[-1]
+    main(["evaluate", str(run_dir), "--checkpoint", "last", "--output", str(tmp_path / "e.json")])
+    result = json.loads((tmp_path / "e.json").read_text())
+    for key, value in last.items():
+        if key.startswith("val_") and key != "val_samples":
+            assert result[key.removeprefix("val_")] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    main(["predict", str(run_dir), "--split", "all", "--output", str(tmp_path / "p.npy")])
+    assert np.load(tmp_path / "p.npy").shape == PREDICTION_SHAPES[task]
+    main(["export", str(run_dir), "--format", "pt2", "--output", str(tmp_path / "m.pt2")])
+    main(["export", str(run_dir), "--format", "safetensors", "--output", str(tmp_path / "m.safetensors")])
+    assert capsys.readouterr().out.count("differ from the checkpoint's model by at most 0") == 2
+
+
+# --- plot and runs -------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_plot_overlays_runs_and_runs_lists_them(trained, finished_digits, tmp_path, capsys):
+    import matplotlib.image
+
+    main(["plot", str(finished_digits), str(trained), "--output", str(tmp_path / "both.png")])
+    assert "val_acc, val_top5_acc, train_samples_per_s against epoch and wall time, 2 runs" in capsys.readouterr().out
+    image = matplotlib.image.imread(tmp_path / "both.png")
+    assert image.shape[0] > 800 and image.shape[1] > 1000 and image[..., :3].std() > 0.05  # drawn, not blank
+    main(["runs", str(trained.parent), "--json", str(tmp_path / "runs.json")])
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["run", "world", "size", "epochs", "best", "samples/s", "status"]
+    listed = json.loads((tmp_path / "runs.json").read_text())
+    summary = json.loads((trained / "summary.json").read_text())
+    assert listed == [{"run": str(trained), "world_size": 2, "epochs_done": 3, "epochs": 3, "best_metric": "val_acc",
+                       "best_value": summary["best_value"], "best_epoch": summary["best_epoch"],
+                       "train_samples_per_s": summary["train_samples_per_s"], "status": "finished"}]
+
+
+def test_runs_marks_an_unfinished_run(finished_digits, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "stopped"
+    shutil.copytree(finished_digits, copy)
+    (copy / "summary.json").unlink()
+    (copy / "metrics.jsonl").write_text((copy / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    main(["runs", str(tmp_path)])
+    line = capsys.readouterr().out.splitlines()[1]
+    assert "1/2" in line and "stopped after epoch 1" in line and "val_acc" in line
+
+
+# --- plan ------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_plan_under_horovodrun_is_what_fit_does(tmp_path):
+    plan_file = tmp_path / "plan.json"
+    out = _ok(run([*HVD2, "hvdtrain", "plan", "--batch-size", "100", "--json", str(plan_file)], cwd=tmp_path))
+    assert "global batch 200" in out
+    plan = json.loads(plan_file.read_text())
+    assert [r["rank"] for r in plan["ranks"]] == [0, 1] and [r["local_rank"] for r in plan["ranks"]] == [0, 1]
+    assert all(r["device"] == "cpu" and r["threads"] >= 1 for r in plan["ranks"])
+    assert plan["steps_per_epoch"] == 1438 // 200 and plan["dropped_per_epoch"] == 1438 - 7 * 200
+    assert plan["lr"]["peak"] == pytest.approx(0.1) and plan["lr"]["first_step"] == pytest.approx(0.05)
+    # The first global batch is the one fit's sampler gives each rank in epoch 1.
+    from hvdtrain.sampler import ShardedBatchSampler
+
+    for rank in (0, 1):
+        sampler = ShardedBatchSampler(1438, 100, rank, 2, seed=0)
+        sampler.set_epoch(1)
+        assert plan["ranks"][rank]["first_batch"] == next(iter(sampler))
+    assert not set(plan["ranks"][0]["first_batch"]) & set(plan["ranks"][1]["first_batch"])
+
+
+def test_plan_alone_for_several_processes(capsys):
+    main(["plan", "--np", "4", "--batch-size", "32", "--accumulate", "2", "--adasum"])
+    out = capsys.readouterr().out
+    assert "32 per rank x 4 ranks x accumulate 2 = global batch 256" in out
+    assert "Adasum: not scaled" in out and out.count("  rank ") == 4
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_a_corrupt_checkpoint_is_one_line_from_rank_0_and_nothing_is_written(trained, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    best = copy / "checkpoints" / "best.pt"
+    best.write_bytes(best.read_bytes()[:1000])
+    before = sorted(p.name for p in copy.iterdir())
+    result = run([*HVD2, "hvdtrain", "evaluate", str(copy)], cwd=tmp_path)
+    assert result.returncode != 0
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "hvdtrain: error" in line]
+    assert len(errors) == 1 and "is corrupt or truncated" in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in copy.iterdir()) == before
+
+
+BAD = {
+    "no checkpoints": (["evaluate", "{empty}"], "has no checkpoints"),
+    "no such run": (["predict", "{empty}/nope", "--output", "{tmp}/p.npy"], "does not exist"),
+    "unknown format": (["export", "{run}", "--format", "tflite"], "'tflite' is not one of"),
+    "unknown output type": (["predict", "{run}", "--output", "{tmp}/p.csv"], "must end in .npy, .pt, .jsonl"),
+    "data that does not fit": (["evaluate", "{run}", "--data", "{tmp}/wide.npz"], "mat1 and mat2 shapes"),
+    "labels beyond the classes": (["evaluate", "{run}", "--data", "{tmp}/many.npz"], "the labels reach 12"),
+    "missing checkpoint file": (["export", "{run}", "--checkpoint", "{tmp}/x.pt"], "checkpoint '"),
+    "nothing to plot": (["plot", "{empty}"], "not a run directory"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_after_fit_is_one_line(case, finished_digits, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    np.savez(tmp_path / "wide.npz", x=np.zeros((10, 20), np.float32), y=np.zeros(10, np.int64))
+    np.savez(tmp_path / "many.npz", x=np.zeros((10, 1, 8, 8), np.float32), y=np.full(10, 12))
+    args, expected = BAD[case]
+    args = [a.format(empty=tmp_path / "empty", tmp=tmp_path, run=finished_digits) for a in args]
+    before = sorted(str(p) for p in finished_digits.rglob("*"))
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and expected in err[0], err
+    assert sorted(str(p) for p in finished_digits.rglob("*")) == before
+    assert not list(tmp_path.glob("p.*"))
+
+
+# --- every flag passes through horovodrun ------------------------------------------------------
+
+ECHO = "import json, sys; print('ARGV' + json.dumps(sys.argv[1:]))"
+
+
+def _every_flag(command) -> list[str]:
+    """Each option of a click command with a valid-looking value, secondary forms (--no-x) too."""
+    import click
+
+    argv = []
+    for param in command.params:
+        if not isinstance(param, click.Option):
+            continue
+        value = [] if param.is_flag else [param.type.choices[0] if isinstance(param.type, click.Choice) else "1"]
+        for name in [*param.opts, *param.secondary_opts]:
+            if name.startswith("--"):
+                argv += [name, *value]
+    return argv
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_every_flag_of_every_command_passes_through_horovodrun_unchanged(tmp_path):
+    from hvdtrain.cli import cli
+
+    argv = []
+    for name in ("fit", "plan", "evaluate", "predict", "export", "plot", "runs", "doctor"):
+        argv += [name, *_every_flag(cli.commands[name])]
+    assert {"--horovod-timeline", "--log-every", "--raw-outputs", "--no-tensorboard", "--split"} <= set(argv)
+    script = tmp_path / "echo.py"
+    script.write_text(ECHO)
+    result = run(["horovodrun", "--gloo", "-np", "1", "python", str(script), *argv], cwd=tmp_path, timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-2000:]
+    echoed = json.loads(next(line for line in out.splitlines() if "ARGV" in line).split("ARGV", 1)[1])
+    assert echoed == argv
