@@ -49,6 +49,17 @@ def fit_under(launcher: str | None, *args: str, timeout: float = 180, cwd: Path 
     return run([*prefix, "hvdtrain", "fit", "--progress", "off", *args], timeout=timeout, cwd=cwd)
 
 
+@pytest.fixture(scope="session")
+def digits_np2(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One digits run of 3 epochs under plain `horovodrun -np 2` (MPI controller), with step logging
+    and Horovod's timeline, shared by the tests of fit's launch and of what comes after fit."""
+    run_dir = tmp_path_factory.mktemp("digits-np2") / "run"
+    done = run(["horovodrun", "-np", "2", "hvdtrain", "fit", "--progress", "off", "--epochs", "3",
+                "--run-dir", str(run_dir), "--log-every", "4", "--horovod-timeline"], cwd=run_dir.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir, done
+
+
 def have(command: str) -> bool:
     return shutil.which(command, path=launch_env()["PATH"]) is not None
 

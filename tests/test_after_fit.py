@@ -29,12 +29,9 @@ def _ok(result) -> str:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A digits run of 3 epochs under `horovodrun -np 2`, with step logging and Horovod's timeline."""
-    run_dir = tmp_path_factory.mktemp("after") / "np2"
-    _ok(run([*HVD2, "hvdtrain", "fit", "--progress", "off", "--epochs", "3", "--run-dir", str(run_dir),
-             "--log-every", "4", "--horovod-timeline"], cwd=run_dir.parent))
-    return run_dir
+def trained(digits_np2) -> Path:
+    """conftest's digits run of 3 epochs under `horovodrun -np 2`, with step logging and the timeline."""
+    return digits_np2[0]
 
 
 # --- TensorBoard and the timeline ---------------------------------------------------
