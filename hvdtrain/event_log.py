@@ -28,7 +28,9 @@ class EventLog:
     def __init__(self, run_dir: Path, resumed_at_step: int):
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: rank 0 only
 
-        self.writer = SummaryWriter(str(run_dir), purge_step=resumed_at_step or None, flush_secs=10)
+        # Events after the checkpoint's step are replayed, so TensorBoard drops the old ones.
+        self.writer = SummaryWriter(str(run_dir), purge_step=resumed_at_step + 1 if resumed_at_step else None,
+                                    flush_secs=10)
 
     def epoch(self, record: dict[str, Any]) -> None:
         for key, value in record.items():

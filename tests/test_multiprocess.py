@@ -201,7 +201,7 @@ def test_a_killed_rank_stops_the_job_and_resume_finishes_it(launcher, tmp_path):
     import subprocess
     from conftest import launch_env
 
-    args = [*RANDOM, "--set", "data.samples=60000", "--epochs", "4", "--progress", "off"]
+    args = [*RANDOM, "--set", "data.samples=60000", "--epochs", "4", "--progress", "off", "--log-every", "25"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     assert fit_under("horovodrun-gloo", *args, "--run-dir", str(whole)).returncode == 0
     job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *args, "--run-dir", str(killed)],
@@ -223,6 +223,18 @@ def test_a_killed_rank_stops_the_job_and_resume_finishes_it(launcher, tmp_path):
     resumed = fit_under(launcher, *args, "--run-dir", str(killed), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_weights(final_weights(whole), final_weights(killed), atol=1e-6)
+    # TensorBoard shows each step once: what the killed run logged past its checkpoint was replaced.
+    assert _step_losses(killed) == pytest.approx(_step_losses(whole), rel=1e-5)
+
+
+def _step_losses(run_dir) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    points = events.Scalars("steps/train_loss")
+    assert len({p.step for p in points}) == len(points)
+    return {p.step: p.value for p in points}
 
 
 NAN_RUN = ["--data", "random", "--set", "data.samples=512", "--set", "data.features=8", "--model",
