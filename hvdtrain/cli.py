@@ -251,6 +251,9 @@ def plot(run_dirs: Sequence[str], output: str | None) -> None:
     from hvdtrain import plot as figure
     from hvdtrain.runs import read_run
 
+    if not _is_rank_0():  # dist: under a launcher, rank 0 alone draws
+        return
+
     runs = [read_run(Path(path)) for path in run_dirs]
     empty = [str(run.path) for run in runs if not run.epochs]
     if empty:
@@ -270,11 +273,20 @@ def list_runs(root: str, json_path: str | None) -> None:
     """A table of the runs under ROOT (default runs/): world size, epochs, best metric, speed, status."""
     from hvdtrain.runs import as_json, find_runs, table
 
+    if not _is_rank_0():  # dist: under a launcher, rank 0 alone prints
+        return
+
     found = find_runs(Path(root))
     if not found:
         raise UserError(f"no run directories under '{root}': runs are where `fit --run-dir` put them")
     click.echo(table(found))
     _write_json(json_path, as_json(found))
+
+
+def _is_rank_0() -> bool:
+    from hvdtrain.engine import launcher_rank
+
+    return (launcher_rank() or 0) == 0
 
 
 def _stem(name: str) -> str:
