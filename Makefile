@@ -11,6 +11,7 @@ install:
 
 install-test:
 	VENV=$(VENV) bash launch/install.sh --extras test,bench
+	bash launch/install-cluster-tools.sh
 
 ## make demo: train the built-in digits model on 2 processes with horovodrun.
 demo: install
@@ -20,9 +21,9 @@ demo: install
 test: install-test
 	python -m pytest -ra --durations=15
 
-## make test-fast: the in-process tests only.
+## make test-fast: the in-process tests only (no launchers, no Slurm, no image builds).
 test-fast: install-test
-	python -m pytest -ra -m "not multiprocess"
+	python -m pytest -ra -m "not multiprocess and not system"
 
 ## make bench: hvdtrain fit against a hand-written Horovod loop, torchrun DDP and one process.
 bench: install-test

@@ -1,0 +1,97 @@
+"""`sbatch launch/slurm.sbatch` on a real one-node Slurm cluster (munged, slurmctld, slurmd from
+Debian), 2 tasks through `srun --mpi=pmix`; `scancel` ends every task and `--resume` finishes."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import slurm_cluster
+from conftest import ROOT, launch_env
+
+why_not = slurm_cluster.available()
+pytestmark = [pytest.mark.system, pytest.mark.multiprocess, pytest.mark.timeout(600),
+              pytest.mark.skipif(why_not is not None, reason=why_not or "")]
+
+# A one-node CPU cluster: 2 tasks of 1 core; the script's GPU directive is overridden with 0.
+CPU_JOB = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("slurm")
+    with slurm_cluster.slurm_cluster(root / "cluster") as env:
+        yield root, {**launch_env(), "SLURM_CONF": env["SLURM_CONF"], "PATH": f"/usr/sbin:{launch_env()['PATH']}"}
+
+
+def _submit(env: dict, root: Path, *args: str) -> str:
+    done = subprocess.run(["sbatch", "--parsable", *CPU_JOB, f"--output={root}/job-%j.log",
+                           str(ROOT / "launch" / "slurm.sbatch"), "--progress", "off", *args],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def _state(env: dict, job: str) -> str:
+    shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True, timeout=10)
+    found = re.search(r"JobState=(\w+)", shown.stdout)
+    return found.group(1) if found else "GONE"
+
+
+def _wait(env: dict, job: str, timeout: float = 300) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = _state(env, job)
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return state
+        time.sleep(0.5)
+    raise AssertionError(f"job {job} still {state} after {timeout} s")
+
+
+def _hvdtrain_processes(run_dir: Path) -> list[str]:
+    """This job's hvdtrain processes (their command lines name its run directory)."""
+    found = subprocess.run(["pgrep", "-af", "hvdtrain fit"], capture_output=True, text=True)
+    return [line for line in found.stdout.splitlines() if str(run_dir) in line and "bin/python" in line]
+
+
+def test_sbatch_runs_two_ranks_through_srun(cluster):
+    root, env = cluster
+    run_dir = root / "two-ranks"
+    job = _submit(env, root, "--epochs", "2", "--run-dir", str(run_dir))
+    assert _wait(env, job) == "COMPLETED", (root / f"job-{job}.log").read_text()[-3000:]
+    log = (root / f"job-{job}.log").read_text()
+    assert "hvdtrain: rank 0/2 local_rank 0/2" in log and "hvdtrain: rank 1/2 local_rank 1/2" in log
+    assert log.count("epoch 2/2") == 1  # rank 0 alone prints
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["controller"] == "mpi" and summary["val_acc"] > 0.85
+
+
+def test_scancel_ends_every_task_and_resume_finishes(cluster):
+    root, env = cluster
+    run_dir = root / "cancelled"
+    args = ["--data", "random", "--set", "data.samples=60000", "--set", "data.features=12", "--epochs", "3",
+            "--run-dir", str(run_dir)]
+    job = _submit(env, root, *args)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _state(env, job) == "RUNNING" and len(_hvdtrain_processes(run_dir)) == 2, "the job should be mid-training"
+    subprocess.run(["scancel", job], env=env, check=True, timeout=10)
+    cancelled = time.monotonic()
+    assert _wait(env, job, timeout=30) == "CANCELLED"
+    while _hvdtrain_processes(run_dir) and time.monotonic() - cancelled < 15:
+        time.sleep(0.2)
+    assert _hvdtrain_processes(run_dir) == [], "scancel left tasks running"
+    assert not (run_dir / "summary.json").exists()
+
+    again = _submit(env, root, *args, "--resume")
+    assert _wait(env, again) == "COMPLETED", (root / f"job-{again}.log").read_text()[-3000:]
+    log = (root / f"job-{again}.log").read_text()
+    assert "resuming from" in log and "epoch 3/3" in log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["epochs"] == 3 and summary["resumed_from_epoch"] >= 1
