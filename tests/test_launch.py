@@ -44,6 +44,20 @@ def test_mpijob_manifest_launches_hvdtrain():
     assert replicas["Worker"]["template"]["spec"]["containers"][0]["command"][0] == "/usr/sbin/sshd"
 
 
+def test_mpijob_pod_templates_are_valid_kubernetes():
+    """Each pod template against Kubernetes' own schema (strict: an unknown or misspelt field fails).
+    The MPIJob's own fields are the CRD's, which no validator installed here carries."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    job = yaml.safe_load((ROOT / "launch/k8s/mpijob.yaml").read_text())
+    assert set(job["spec"]) <= {"slotsPerWorker", "runPolicy", "mpiReplicaSpecs", "mpiImplementation",
+                                "sshAuthMountPath", "launcherCreationPolicy", "runLauncherAsWorker"}
+    for role, replica in job["spec"]["mpiReplicaSpecs"].items():
+        assert role in ("Launcher", "Worker") and isinstance(replica["replicas"], int)
+        template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role.lower()},
+                    "template": replica["template"]}
+        kubernetes_validate.validate(template, kubernetes_validate.latest_version(), strict=True)
+
+
 def test_hostfile_example_matches_horovodrun_format():
     lines = [line for line in (ROOT / "launch/hostfile.example").read_text().splitlines() if line and not line.startswith("#")]
     assert lines and all(len(line.split()) == 2 and line.split()[1].startswith("slots=") for line in lines)

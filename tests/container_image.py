@@ -1,0 +1,99 @@
+"""Builds docker/Dockerfile.cpu for real with buildah and runs it with podman, on this machine.
+
+No registry is needed: the base image is Debian 12 from debootstrap (with its Python 3.11),
+imported into a container store of the test's own (overlay storage in a temporary
+directory, runc as the runtime, container rlimits left as they are: crun and raised
+rlimits fail inside this machine). When the host's pip takes packages from local
+mirrors, the build gets the same pip settings as a build secret and the mirrors as
+read-only volumes, as a user behind a mirror would pass them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+TOOLS = ("buildah", "podman", "runc", "debootstrap")
+BASE = "localhost/hvdtrain-base:bookworm"
+MIRROR = os.environ.get("HVDTRAIN_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+
+
+def available() -> str | None:
+    """Why images cannot be built here; None when they can."""
+    path = f"/usr/sbin:/usr/bin:{os.environ.get('PATH', '')}"
+    missing = [tool for tool in TOOLS if shutil.which(tool, path=path) is None]
+    if missing:
+        return f"needs {', '.join(missing)} (launch/install-cluster-tools.sh installs them as root)"
+    if os.geteuid() != 0:
+        return "building images with buildah here needs root"
+    return None
+
+
+def store_env(root: Path) -> dict[str, str]:
+    """Environment for buildah and podman with a container store under `root`."""
+    (root / "graph").mkdir(parents=True, exist_ok=True)
+    (root / "run").mkdir(exist_ok=True)
+    (root / "storage.conf").write_text(
+        f'[storage]\ndriver = "overlay"\ngraphroot = "{root / "graph"}"\nrunroot = "{root / "run"}"\n')
+    (root / "containers.conf").write_text(
+        '[containers]\ndefault_ulimits = ["nofile=20000:20000", "nproc=4096:4096"]\n[engine]\nruntime = "runc"\n')
+    return {**os.environ, "CONTAINERS_STORAGE_CONF": str(root / "storage.conf"),
+            "CONTAINERS_CONF": str(root / "containers.conf"), "PATH": f"/usr/sbin:{os.environ.get('PATH', '')}"}
+
+
+def make_base(root: Path, env: dict[str, str]) -> None:
+    """Debian 12 (minbase, Python 3.11, CA certificates) as the local image BASE."""
+    rootfs = root / "rootfs"
+    _check(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm",
+            str(rootfs), MIRROR], env, timeout=900)
+    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+    _check(["podman", "import", "-", BASE], env, stdin=tar.stdout, timeout=300)
+    tar.wait()
+    shutil.rmtree(rootfs)
+
+
+def pip_settings(root: Path) -> list[str]:
+    """buildah arguments that hand the host's pip settings (local mirrors, CA bundle) to the build."""
+    shown = subprocess.run(["pip", "config", "list"], capture_output=True, text=True).stdout
+    values: dict[str, str] = {}
+    for line in shown.splitlines():
+        key, _, value = line.partition("=")
+        name = key.rsplit(".", 1)[-1]
+        if name in ("find-links", "extra-index-url", "index-url", "cert") and name not in values:
+            values[name] = value.strip().strip("'\"")
+    if not values:
+        return []
+    args, lines = [], ["[global]"]
+    for name, value in values.items():
+        if name == "cert":
+            args += ["--secret", f"id=ca.crt,src={value}"]
+            lines.append("cert = /run/secrets/ca.crt")
+            continue
+        kept = []
+        for location in value.split():
+            local = Path(location.removeprefix("file://"))
+            if location.startswith(("http://", "https://")):
+                kept.append(location)
+            elif local.exists():  # a mirror on this machine's disk: mounted read-only at the same path
+                top = Path("/", *local.parts[1:3])
+                args += ["--volume", f"{top}:{top}:ro"]
+                kept.append(location)
+        if kept:
+            lines.append(f"{name} = {' '.join(kept)}")
+    (root / "pip.conf").write_text("\n".join(lines) + "\n")
+    return [*dict.fromkeys(args), "--secret", f"id=pip.conf,src={root / 'pip.conf'}"]
+
+
+def build(repo: Path, root: Path, env: dict[str, str], tag: str, log: Path) -> subprocess.CompletedProcess:
+    command = ["buildah", "bud", "--isolation", "chroot", "--format", "docker", "-f", "docker/Dockerfile.cpu",
+               "--build-arg", f"BASE_IMAGE={BASE}", *pip_settings(root), "-t", tag, "."]
+    with open(log, "w") as out:
+        return subprocess.run(command, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=2400)
+
+
+def _check(command: list[str], env: dict[str, str], timeout: float, stdin=None) -> None:
+    done = subprocess.run(command, env=env, stdin=stdin, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:3])} failed: {done.stderr[-2000:]}")
