@@ -65,7 +65,9 @@ def pip_settings(root: Path) -> list[str]:
             values[name] = value.strip().strip("'\"")
     if not values:
         return []
-    args, lines = [], ["[global]"]
+    args: list[str] = []
+    mounts: list[str] = []
+    lines = ["[global]"]
     for name, value in values.items():
         if name == "cert":
             args += ["--secret", f"id=ca.crt,src={value}"]
@@ -78,12 +80,14 @@ def pip_settings(root: Path) -> list[str]:
                 kept.append(location)
             elif local.exists():  # a mirror on this machine's disk: mounted read-only at the same path
                 top = Path("/", *local.parts[1:3])
-                args += ["--volume", f"{top}:{top}:ro"]
+                mounts.append(f"{top}:{top}:ro")
                 kept.append(location)
         if kept:
             lines.append(f"{name} = {' '.join(kept)}")
     (root / "pip.conf").write_text("\n".join(lines) + "\n")
-    return [*dict.fromkeys(args), "--secret", f"id=pip.conf,src={root / 'pip.conf'}"]
+    for mount in dict.fromkeys(mounts):
+        args += ["--volume", mount]
+    return [*args, "--secret", f"id=pip.conf,src={root / 'pip.conf'}"]
 
 
 def build(repo: Path, root: Path, env: dict[str, str], tag: str, log: Path) -> subprocess.CompletedProcess:
