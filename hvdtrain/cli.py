@@ -89,7 +89,8 @@ _FIT_OPTIONS = [
 
 @cli.command()
 @fit_options
-@click.option("--engine", type=click.Choice(["auto", "horovod", "local"]), help="Default: Horovod under a launcher.")
+@click.option("--engine", type=click.Choice(["auto", "horovod", "torch", "local"]),
+              help="Default: torch.distributed under torchrun, Horovod under horovodrun or mpirun.")
 def fit(config_path: str | None, assignments: Sequence[str], engine: str | None, debug: bool, **flags: Any) -> None:
     """Train a model; under horovodrun or mpirun, on every process."""
     config = _fit_config(config_path, assignments, flags, engine)

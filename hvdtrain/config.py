@@ -164,8 +164,9 @@ class TrainConfig:
     keep_freed_memory: bool = True
     """Keep large freed host blocks for reuse instead of returning them to the OS each step
     (glibc's mmap and trim thresholds; +15% samples/s on the CPU benchmark)."""
-    engine: Literal["auto", "horovod", "local"] = "auto"
-    """`auto`: Horovod when started by horovodrun or mpirun, else one local process."""
+    engine: Literal["auto", "horovod", "torch", "local"] = "auto"
+    """`auto`: torch.distributed under torchrun, Horovod when started by horovodrun or mpirun,
+    else one local process; `torch` also under mpirun or srun (no Horovod or MPI library needed)."""
     elastic: bool = False
     """dist: elastic training under `horovodrun --gloo --min-np M --host-discovery-script S`:
     processes may be lost or added; the others go on from the last commit."""

@@ -35,6 +35,22 @@ def test_fit_runs_under_each_launcher(launcher, tmp_path, request):
     assert done.stdout.count(f"epoch {epochs}/{epochs}") == 1
 
 
+@pytest.mark.parametrize("launcher", [["torchrun", "--nproc-per-node", "2", "--no-python"],
+                                      ["mpirun", "-np", "2", "--oversubscribe"]], ids=["torchrun", "mpirun"])
+def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_path):
+    """The same config under torch.distributed (Gloo) and under Horovod (the shared horovodrun run)."""
+    horovod_dir, _ = digits_np2
+    run_dir = tmp_path / "run"
+    engine = [] if launcher[0] == "torchrun" else ["--engine", "torch"]  # auto picks torch under torchrun
+    done = run([*launcher, "hvdtrain", "fit", "--progress", "off", "--epochs", "3", "--log-every", "4",
+                "--run-dir", str(run_dir), *engine], cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["controller"] == "gloo"
+    assert "rank 1/2 local_rank 1/2" in done.stderr
+    assert_same_weights(final_weights(run_dir), final_weights(horovod_dir), atol=1e-5)
+
+
 @pytest.mark.parametrize("launcher, combine", [("horovodrun-gloo", "average"), ("mpirun", "average"),
                                                ("mpirun", "adasum")])
 def test_every_rank_holds_identical_parameters_after_k_steps(launcher, combine, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -31,6 +32,8 @@ def launcher_rank() -> int | None:
             return _started.rank
         except ValueError:  # Horovod has shut down
             pass
+    if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:  # torchrun
+        return int(os.environ["RANK"])
     for name in _RANK_VARIABLES:
         if name in os.environ:
             try:
@@ -42,27 +45,34 @@ def launcher_rank() -> int | None:
 
 def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, stall_timeout: int = 300,
                  keep_freed_memory: bool = True, timeline: bool = False) -> Engine:
-    """Starts Horovod when a launcher started us (or when asked), else a local engine.
+    """Starts torch.distributed under torchrun, Horovod when another launcher started us (or
+    when asked), else a local engine.
 
     dist: sets this process's device (cuda:<local rank>) and thread count (cores
     divided among the processes on this host) before any tensor work.
     """
     if keep_freed_memory:
         host_memory.keep_freed_memory()
-    use_horovod = kind == "horovod" or (kind == "auto" and launcher_rank() is not None)
-    if not use_horovod:
-        engine_device = _pick_device(device, local_rank=0, local_size=1)
-        torch.set_num_threads(_threads_per_process(threads, local_size=1))
-        return LocalEngine(engine_device)
+    from hvdtrain.engine.torch_distributed import TorchEngine, torchrun_launched
 
-    from hvdtrain.engine.horovod import HorovodEngine  # imports horovod.torch
+    if kind == "torch" or (kind == "auto" and torchrun_launched()):
+        return _start(TorchEngine, device, threads, stall_timeout)
+    if kind == "horovod" or (kind == "auto" and launcher_rank() is not None):
+        from hvdtrain.engine.horovod import HorovodEngine  # imports horovod.torch
 
-    HorovodEngine.init(stall_timeout, timeline)
-    local_rank, local_size = HorovodEngine.local_facts()
+        HorovodEngine.init(stall_timeout, timeline)
+        return _start(HorovodEngine, device, threads, stall_timeout)
+    engine_device = _pick_device(device, local_rank=0, local_size=1)
+    torch.set_num_threads(_threads_per_process(threads, local_size=1))
+    return LocalEngine(engine_device)
+
+
+def _start(engine_type: Any, device: str, threads: int, stall_timeout: int) -> Engine:
+    local_rank, local_size = engine_type.local_facts()
     engine_device = _pick_device(device, local_rank, local_size)
     torch.set_num_threads(_threads_per_process(threads, local_size))
     global _started
-    _started = HorovodEngine.start(engine_device, stall_timeout)
+    _started = engine_type.start(engine_device, stall_timeout)
     return _started
 
 
