@@ -197,8 +197,9 @@ def test_evaluate_predict_and_export_work_for_every_task(task, tmp_path, capsys)
 def test_plot_overlays_runs_and_runs_lists_them(trained, finished_digits, tmp_path, capsys):
     import matplotlib.image
 
-    main(["plot", str(finished_digits), str(trained), "--output", str(tmp_path / "both.png")])
-    assert "val_acc, val_top5_acc, train_samples_per_s against epoch and wall time, 2 runs" in capsys.readouterr().out
+    out = _ok(run([*HVD2, "hvdtrain", "plot", str(finished_digits), str(trained), "--output",
+                   str(tmp_path / "both.png")], cwd=tmp_path))
+    assert out.count("val_acc, val_top5_acc, train_samples_per_s against epoch and wall time, 2 runs") == 1
     image = matplotlib.image.imread(tmp_path / "both.png")
     assert image.shape[0] > 800 and image.shape[1] > 1000 and image[..., :3].std() > 0.05  # drawn, not blank
     table = _ok(run([*HVD2, "hvdtrain", "runs", str(trained.parent), "--json", str(tmp_path / "runs.json")],
