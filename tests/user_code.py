@@ -206,8 +206,8 @@ def three_logits(input_shape, num_classes):
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 3))
 
 
-class IntLabels(Dataset):
-    """Plain int labels and no `classes` attribute: the class count cannot be read off."""
+class _BlobsReshaped(Dataset):
+    """Blobs' samples in another form (`sample(x, y)`), without Blobs' attributes."""
 
     def __init__(self):
         self.inner = Blobs()
@@ -216,7 +216,13 @@ class IntLabels(Dataset):
         return len(self.inner)
 
     def __getitem__(self, index):
-        x, y = self.inner[index]
+        return self.sample(*self.inner[index])
+
+
+class IntLabels(_BlobsReshaped):
+    """Plain int labels and no `classes` attribute: the class count cannot be read off."""
+
+    def sample(self, x, y):
         return x, int(y)
 
 
@@ -246,19 +252,12 @@ def corrupt_on_rank_one():
     return CorruptOnRankOne()
 
 
-class DictBlobs(Dataset):
+class DictBlobs(_BlobsReshaped):
     """Dict samples whose target is under 'y', not the default 'labels'."""
 
     classes = Blobs.classes
 
-    def __init__(self):
-        self.inner = Blobs()
-
-    def __len__(self):
-        return len(self.inner)
-
-    def __getitem__(self, index):
-        x, y = self.inner[index]
+    def sample(self, x, y):
         return {"x": x, "y": y}
 
 
