@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -66,8 +66,9 @@ class StepLog:
         self.steps = 0
         self.started = time.perf_counter()
 
-    def step(self, step: int, loss: torch.Tensor, lr: float) -> dict[str, float] | None:
-        """The values to log after optimizer step `step` (None when it is not time)."""
+    def step(self, step: int, loss: torch.Tensor, lr: Callable[[int], float]) -> dict[str, float] | None:
+        """The values to log after optimizer step `step` (None when it is not time); `lr` is
+        the schedule, read only when logging."""
         if self.every <= 0:
             return None
         self.loss_sum += loss.detach().double()
@@ -77,7 +78,7 @@ class StepLog:
         totals = self.engine.allreduce_sum(  # dist: the mean over ranks and steps, not rank 0's alone
             torch.stack([self.loss_sum, self.loss_sum.new_tensor(self.steps)]).cpu(), "step_log")
         seconds = max(time.perf_counter() - self.started, 1e-9)
-        values = {"train_loss": float(totals[0] / totals[1]), "lr": lr,
+        values = {"train_loss": float(totals[0] / totals[1]), "lr": lr(step - 1),  # the lr step `step` took
                   "samples_per_s": self.steps * self.samples_per_rank_step * self.engine.size / seconds}
         self.loss_sum.zero_()
         self.steps = 0

@@ -143,7 +143,7 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
         position[0] = f"epoch {epoch}, step {done + 1}"
         engine.at(f"epoch {epoch}, training after step {done}")  # dist: for a stall report
         progress.step(done, loss)
-        logged = run.step_log.step(done, loss, run.learning_rate(done - 1))
+        logged = run.step_log.step(done, loss, run.learning_rate)
         if logged is not None and files is not None:
             files.log_steps(done, logged)
         if after_step is not None:
