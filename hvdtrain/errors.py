@@ -24,6 +24,12 @@ class FailedAt(Exception):
     exit_code = 1
 
 
+def message_lines(err: BaseException, count: int = 1) -> str:
+    """The first `count` lines of an exception's message, joined into one line."""
+    lines = str(err).strip().splitlines()
+    return " ".join(line.strip() for line in lines[:count])
+
+
 def where(err: BaseException) -> str:
     """` (file:line in function)` of the innermost frame in the user's own code; "" when none is."""
     import traceback

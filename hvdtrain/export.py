@@ -27,7 +27,7 @@ from torch import nn
 
 from hvdtrain.batch import split_batch, takes_keyword, tensors_in
 from hvdtrain.checkpoint import shared_file_mode
-from hvdtrain.errors import UserError
+from hvdtrain.errors import UserError, message_lines
 from hvdtrain.saved_run import SavedRun
 
 FORMATS = {"safetensors": ".safetensors", "torchscript": ".torchscript.pt", "pt2": ".pt2", "onnx": ".onnx"}
@@ -64,8 +64,7 @@ def export(saved: SavedRun, fmt: str, path: Path, batch: Any) -> Exported:
         except UserError:
             raise
         except Exception as err:
-            message = (str(err).strip().splitlines() or [""])[0]
-            raise UserError(f"export to {fmt} failed: {type(err).__name__}: {message[:300]}; the model may use "
+            raise UserError(f"export to {fmt} failed: {type(err).__name__}: {message_lines(err)[:300]}; the model may use "
                             "Python that this format cannot capture (try another --format; safetensors always "
                             "works)") from err
         diff = _largest_difference(expected, got, fmt)

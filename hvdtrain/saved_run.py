@@ -22,7 +22,7 @@ from hvdtrain.checkpoint import MANIFEST, CheckpointStore, sha256_of
 from hvdtrain.config import Config
 from hvdtrain.data import build_data
 from hvdtrain.engine import Engine
-from hvdtrain.errors import UserError
+from hvdtrain.errors import UserError, message_lines
 from hvdtrain.models import ModelShapes
 from hvdtrain.tasks import Task, build_task
 
@@ -120,6 +120,5 @@ def _load_weights(model: nn.Module, weights: dict[str, torch.Tensor], path: str)
     try:
         model.load_state_dict(weights)
     except RuntimeError as err:
-        lines = str(err).strip().splitlines()
         raise UserError(f"checkpoint '{path}' does not fit the model its config builds: "
-                        f"{' '.join(line.strip() for line in lines[:2])}; was the model's code changed since?") from err
+                        f"{message_lines(err, 2)}; was the model's code changed since?") from err

@@ -24,7 +24,7 @@ from hvdtrain.checkpoint import CheckpointStore
 from hvdtrain.config import Config
 from hvdtrain.data import DataSplit, batches, build_data, collate_function, data_workers
 from hvdtrain.engine import Engine, GradientSync, RankFailed
-from hvdtrain.errors import FailedAt, UserError, where
+from hvdtrain.errors import FailedAt, UserError, message_lines, where
 from hvdtrain.event_log import EventLog, StepLog
 from hvdtrain.loop import evaluate, train_epoch
 from hvdtrain.models import ModelShapes
@@ -189,8 +189,7 @@ def _located(err: Exception, engine: Engine, position: str) -> Exception:
     naming the rank, where in the run, and where in their code. Other failures pass as they are."""
     if isinstance(err, (UserError, RankFailed)) or engine.is_engine_signal(err):
         return err
-    message = (str(err).strip().splitlines() or [""])[0]
-    located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message}{where(err)}; "
+    located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message_lines(err)}{where(err)}; "
                        "every rank stops (--debug shows the traceback)")
     located.__cause__ = err
     return located
@@ -320,7 +319,7 @@ def _restore(config: Config, run: Run, run_dir: Path) -> tuple[int, int]:
     try:
         _unwrapped(run.model).load_state_dict(state["model"])
     except RuntimeError as err:
-        raise UserError(f"checkpoint '{path}' does not fit this model: {_first_line(err)}; "
+        raise UserError(f"checkpoint '{path}' does not fit this model: {message_lines(err, 3)}; "
                         "resume with the model settings it was written with") from err
     try:
         run.optimizer.load_state_dict(state["optimizer"])
@@ -354,8 +353,3 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 def _seed(seed: int, epoch: int, rank: int) -> None:
     # Per epoch and rank, so dropout and augmentation replay exactly after a resume.
     torch.manual_seed(seed * 1_000_003 + epoch * 1_009 + rank)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return " ".join(line.strip() for line in text[:3])

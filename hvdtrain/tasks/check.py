@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hvdtrain.batch import batch_size, describe
-from hvdtrain.errors import UserError, where
+from hvdtrain.errors import UserError, message_lines, where
 from hvdtrain.metrics import MetricSums, is_sum_and_count
 from hvdtrain.precision import Precision
 from hvdtrain.tasks.base import Task, batch_metrics, model_loss, predictions
@@ -92,7 +92,7 @@ def guarded(task: Task, what: str, call: Callable[[], Any], batch: Any, stage: s
             hint = (f"; it has no '{task.target_key}' key (task.target_key): if another key holds the target, "
                     "--set task.target_key=KEY")
         raise UserError(f"the first {stage} batch failed in {what} (task {task.name}): {type(err).__name__}: "
-                        f"{_first_line(err)}{where(err)}; the batch was {describe(batch)}{hint}") from err
+                        f"{message_lines(err)}{where(err)}; the batch was {describe(batch)}{hint}") from err
 
 
 def _check_loss(task: Task, loss: Any, whose: str) -> None:
@@ -133,8 +133,3 @@ def _check_metrics(task: Task, metrics: Any) -> Template:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else f"a {type(value).__name__}"
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else ""
