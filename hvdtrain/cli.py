@@ -95,28 +95,23 @@ def fit(config_path: str | None, assignments: Sequence[str], engine: str | None,
     """Train a model; under horovodrun or mpirun, on every process."""
     config = _fit_config(config_path, assignments, flags, engine)
 
-    from hvdtrain.engine import start_engine  # torch and horovod load only when training
-    from hvdtrain.trainer import fit as run_fit
+    from hvdtrain.trainer import fit as run_fit  # torch and horovod load only when training
 
-    run_engine = start_engine(config.train.engine, config.train.device, config.train.threads,
-                              config.train.stall_timeout, config.train.keep_freed_memory, config.run.horovod_timeline)
-    try:
-        run_fit(config, run_engine)
-    except Exception as err:
-        # Report before the engine shuts down: launchers stop the other ranks as soon
-        # as one exits, and rank 0 must have said why by then.
-        _report_and_exit(err, debug)
-        raise
-    finally:
-        run_engine.shutdown()
+    _with_engine(debug, lambda engine: run_fit(config, engine), kind=config.train.engine,
+                 device=config.train.device, threads=config.train.threads,
+                 stall_timeout=config.train.stall_timeout, keep_freed_memory=config.train.keep_freed_memory,
+                 timeline=config.run.horovod_timeline)
 
 
-def _with_engine(device: str, debug: bool, work: Callable[[Any], None], threads: int = 0) -> None:
-    """Starts the engine (Horovod under a launcher), runs `work(engine)`, and reports a failure
-    with one line before the engine shuts down, as `fit` does."""
+def _with_engine(debug: bool, work: Callable[[Any], Any], **engine_args: Any) -> None:
+    """Starts the engine (`start_engine`'s arguments), runs `work(engine)`, shuts it down.
+
+    A failure is reported before the engine shuts down: launchers stop the other ranks as
+    soon as one exits, and rank 0 must have said why by then.
+    """
     from hvdtrain.engine import start_engine
 
-    engine = start_engine("auto", device, threads)
+    engine = start_engine(**engine_args)
     try:
         work(engine)
     except Exception as err:
@@ -184,7 +179,7 @@ def evaluate(run_dir: str, checkpoint: str, data: str | None, part: str | None, 
             click.echo(f"hvdtrain: evaluated {saved.checkpoint} (epoch {saved.epoch}) on {result['samples']} samples "
                        f"of {result['data']} ({part}), world size {engine.size}: {metrics}; written to {path}")
 
-    _with_engine(device, debug, work)
+    _with_engine(debug, work, device=device)
 
 
 @cli.command()
@@ -210,7 +205,7 @@ def predict(run_dir: str, checkpoint: str, data: str | None, part: str | None, b
             click.echo(f"hvdtrain: {samples} predictions ({shape}) of {saved.checkpoint} (epoch {saved.epoch}) "
                        f"on {saved.config.data.name} ({part}), world size {engine.size}, written to {path}")
 
-    _with_engine(device, debug, work)
+    _with_engine(debug, work, device=device)
 
 
 @cli.command("export")
@@ -240,7 +235,7 @@ def export_model(run_dir: str, checkpoint: str, data: str | None, part: str | No
                            f"loaded back, its outputs on {done.samples} samples of {saved.config.data.name} ({part}) "
                            f"differ from the checkpoint's model by at most {done.max_abs_diff:.3g}")
 
-    _with_engine(device, debug, work)
+    _with_engine(debug, work, device=device)
 
 
 @cli.command()
@@ -329,8 +324,8 @@ def plan(config_path: str | None, assignments: Sequence[str], debug: bool, plann
             ranks.extend(engine.allgather_object(mine, "plan"))
 
         ranks: list[dict[str, Any]] = []
-        _with_engine(config.train.device, debug, work, config.train.threads)
-        if (launcher_rank() or 0) != 0:
+        _with_engine(debug, work, device=config.train.device, threads=config.train.threads)
+        if not _is_rank_0():
             return
     found = planner.make_plan(config, ranks)
     click.echo(planner.render(found))
