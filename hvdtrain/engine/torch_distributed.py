@@ -45,9 +45,16 @@ def launcher_facts() -> tuple[int, int, int, int] | None:
         if all(name in os.environ for name in names[:2]):
             rank, size = int(os.environ[names[0]]), int(os.environ[names[1]])
             local_rank = int(os.environ.get(names[2], rank))
-            local_size = int(os.environ.get(names[3], size).split("(")[0])  # Slurm may write "2(x3)"
+            local_size = int(os.environ.get(names[3], str(size)).split("(")[0])  # Slurm may write "2(x3)"
             return rank, size, local_rank, local_size
     return None
+
+
+def _required_facts() -> tuple[int, int, int, int]:
+    facts = launcher_facts()
+    if facts is None:
+        raise UserError("--engine torch needs a launcher: torchrun --nproc-per-node N, mpirun -np N or srun -n N")
+    return facts
 
 
 class TorchEngine(Engine):
@@ -61,16 +68,12 @@ class TorchEngine(Engine):
 
     @staticmethod
     def local_facts() -> tuple[int, int]:
-        facts = launcher_facts()
-        if facts is None:
-            raise UserError("--engine torch needs a launcher: torchrun --nproc-per-node N, mpirun -np N or srun -n N")
+        facts = _required_facts()
         return facts[2], facts[3]
 
     @classmethod
     def start(cls, device: torch.device, stall_timeout: int = 300) -> "TorchEngine":
-        facts = launcher_facts()
-        if facts is None:
-            raise UserError("--engine torch needs a launcher: torchrun --nproc-per-node N, mpirun -np N or srun -n N")
+        facts = _required_facts()
         rank, size, local_rank, local_size = facts
         if "MASTER_ADDR" not in os.environ:
             if local_size != size:
