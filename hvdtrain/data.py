@@ -52,11 +52,15 @@ def build_data(cfg: DataConfig, seed: int, target_key: str = "labels") -> DataSp
 
 
 def _build(cfg: DataConfig, seed: int, target_key: str) -> DataSplit:
-    if is_factory_path(cfg.name) and not cfg.name.endswith(".npz"):
+    if _is_factory(cfg):
         return _from_factory(cfg, seed, target_key)
     x, y = _tensors(cfg, seed)
     split = _split_tensors(x, y, cfg.val_fraction, seed)
     return _standardized(split) if cfg.name == "digits" else split
+
+
+def _is_factory(cfg: DataConfig) -> bool:
+    return is_factory_path(cfg.name) and not cfg.name.endswith(".npz")  # a path with a colon can be a file
 
 
 PARTS = ("val", "train", "all")
@@ -70,7 +74,7 @@ def build_part(cfg: DataConfig, seed: int, target_key: str, part: str, need_targ
         raise UserError(f"unknown data part '{part}': use one of {', '.join(PARTS)}")
     if part != "all":
         return getattr(build_data(cfg, seed, target_key), part)
-    if is_factory_path(cfg.name) and not cfg.name.endswith(".npz"):
+    if _is_factory(cfg):
         made = call_factory(cfg.name, "data set", {})
         if isinstance(made, tuple) and len(made) == 2:
             return ConcatDataset(list(made))
