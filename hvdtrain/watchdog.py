@@ -1,11 +1,13 @@
-"""A stall timeout for the Gloo controller: a collective that waits too long ends the job.
+"""A stall timeout for Horovod's Gloo controller and the torch engine: a collective that
+waits too long ends the job.
 
 Horovod's own stall inspector stops a job only under MPI. Here each rank records
 where it is (`Activity`, updated by the engine at every collective and by the loop at
-every batch) and a background thread publishes that to the key-value store that
-horovodrun's Gloo rendezvous already runs. When a rank has waited in one collective
-for longer than the timeout, it reads every rank's entry, names the ranks that are
-not in that collective with it, and exits; the launcher then stops the others.
+every batch) and a background thread publishes that to a key-value store the job
+already runs (horovodrun's Gloo rendezvous; the torch engine's process-group store).
+When a rank has waited in one collective for longer than the timeout, it reads every
+rank's entry, names the ranks that are not in that collective with it, and exits; the
+launcher then stops the others.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 _SCOPE = "hvdtrain-activity"
 # A rank that is not the one to report waits this long before it exits itself, so
@@ -79,10 +81,18 @@ class KeyValueBoard:
             return None
 
 
+class Board(Protocol):
+    """Where ranks publish their Activity and read each other's."""
+
+    def publish(self, rank: int, activity: Activity) -> None: ...
+
+    def read(self, rank: int) -> Activity | None: ...
+
+
 class StallWatchdog:
     """Ends the process when its collective has waited `timeout` seconds, naming the laggards."""
 
-    def __init__(self, activity: Activity, board: KeyValueBoard, timeout: float,
+    def __init__(self, activity: Activity, board: Board, timeout: float,
                  rank: Callable[[], int], size: Callable[[], int]):
         self.activity, self.board, self.timeout = activity, board, timeout
         self.rank, self.size = rank, size
@@ -107,7 +117,7 @@ class StallWatchdog:
             # One copy per pass: the training thread changes the live one meanwhile.
             current = Activity(**asdict(self.activity))
             if current != published:
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError, RuntimeError):  # the store is unreachable: next pass
                     self.board.publish(rank, current)
                     published = current
             if current.collective is not None and time.time() - current.since > self.timeout:

@@ -14,7 +14,9 @@ to 127.0.0.1 and a port derived from the launcher's job id).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import json
 import os
 from typing import Any
 
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from hvdtrain.engine.base import Engine, GradientSync
 from hvdtrain.errors import UserError
+from hvdtrain.watchdog import Activity, StallWatchdog
 
 # (rank, world size, local rank, local size) as each launcher names them.
 _LAUNCHER_VARIABLES = (
@@ -30,7 +33,9 @@ _LAUNCHER_VARIABLES = (
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 )
-# Gradients are reduced in buckets of about this many bytes: one collective per bucket.
+# Gradients are reduced in buckets of about this many bytes: one collective per bucket
+# (DDP's sizes: a small first bucket starts communication early in backward).
+FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
 
 
@@ -64,7 +69,9 @@ class TorchEngine(Engine):
         self.rank, self.size, self.local_rank, self.local_size = facts
         self.device = device
         self.controller = dist.get_backend()
-        self._compression = "none"
+        self.activity = Activity()
+        self._gradients: _OverlappedAverage | None = None
+        self._watchdog: StallWatchdog | None = None
 
     @staticmethod
     def local_facts() -> tuple[int, int]:
@@ -82,10 +89,19 @@ class TorchEngine(Engine):
             os.environ["MASTER_ADDR"] = "127.0.0.1"  # dist: every rank on this host
         os.environ.setdefault("MASTER_PORT", str(_port_for_job()))
         backend = "nccl" if device.type == "cuda" else "gloo"
-        # dist: a collective that some rank never joins fails after the stall timeout instead of hanging.
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=stall_timeout or 1800))
-        return cls(device, facts)
+        # The process group's own timeout is a last resort: the stall watchdog reports first, naming ranks.
+        timeout = datetime.timedelta(seconds=stall_timeout + 60 if stall_timeout > 0 else 1800)
+        store, _, _ = next(dist.rendezvous("env://", rank, size, timeout=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+        engine = cls(device, facts)
+        if stall_timeout > 0:
+            # dist: a collective that some rank never joins ends the job with a line naming that rank.
+            engine._watchdog = StallWatchdog(engine.activity, _StoreBoard(store), stall_timeout,
+                                             rank=lambda: engine.rank, size=lambda: engine.size).start()
+        return engine
+
+    def at(self, where: str) -> None:
+        self.activity.at(where)
 
     def is_engine_signal(self, err: BaseException) -> bool:
         return isinstance(err, (dist.DistBackendError, dist.DistNetworkError))
@@ -94,48 +110,48 @@ class TorchEngine(Engine):
                        sync: GradientSync) -> torch.optim.Optimizer:
         if sync.adasum:
             raise UserError("train.adasum is Horovod's: run under horovodrun or mpirun with --engine horovod, or drop --adasum")
-        self._compression = sync.compression
-        return optimizer  # gradients are averaged in `synchronize`, once per optimizer step
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self._gradients = _OverlappedAverage(params, self.size, sync.accumulate, sync.compression)
+        return optimizer  # `step` is the optimizer's own: the gradients are averaged before it
 
     def synchronize(self, optimizer: torch.optim.Optimizer) -> bool:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        for bucket in _buckets(grads):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            wire = flat.half() if self._compression == "fp16" and flat.is_floating_point() else flat
-            dist.all_reduce(wire)  # dist: the sum over ranks ...
-            flat = wire.to(flat.dtype).div_(self.size)  # ... over the world size: the average
-            offset = 0
-            for grad in bucket:
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+        with self.activity.waiting("the gradient allreduce"):
+            self._gradients.wait()
         return True
 
     def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # `step` never reduces here
 
     def broadcast_parameters(self, model: torch.nn.Module) -> None:
-        for tensor in model.state_dict().values():
-            dist.broadcast(tensor, src=0)  # in place: state_dict tensors share storage with the model
+        with self.activity.waiting("broadcast of the parameters"):
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, src=0)  # in place: state_dict tensors share storage with the model
 
     def broadcast_object(self, obj: Any, name: str) -> Any:
         holder = [obj]
-        dist.broadcast_object_list(holder, src=0, device=self._collective_device())
+        with self.activity.waiting(f"broadcast '{name}'"):
+            dist.broadcast_object_list(holder, src=0, device=self._collective_device())
         return holder[0]
 
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
         gathered: list[Any] = [None] * self.size
-        dist.all_gather_object(gathered, obj)
+        with self.activity.waiting(f"allgather '{name}'"):
+            dist.all_gather_object(gathered, obj)
         return gathered
 
     def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         reduced = tensor.detach().to(self._collective_device(), copy=True)
-        dist.all_reduce(reduced)
+        with self.activity.waiting(f"allreduce '{name}'"):
+            dist.all_reduce(reduced)
         return reduced.to(tensor.device)
 
     def barrier(self) -> None:
-        dist.barrier()
+        with self.activity.waiting("barrier"):
+            dist.barrier()
 
     def shutdown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -143,19 +159,94 @@ class TorchEngine(Engine):
         return self.device if self.controller == "nccl" else torch.device("cpu")
 
 
-def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Consecutive gradients of one dtype and device, about BUCKET_BYTES each."""
-    buckets: list[list[torch.Tensor]] = []
+class _StoreBoard:
+    """Every rank's latest Activity, for the stall watchdog, in the process group's own store."""
+
+    def __init__(self, store: dist.Store):
+        self.store = dist.PrefixStore("hvdtrain-activity/", store)
+
+    def publish(self, rank: int, activity: Activity) -> None:
+        self.store.set(str(rank), json.dumps(dataclasses.asdict(activity)))
+
+    def read(self, rank: int) -> Activity | None:
+        try:
+            if not self.store.check([str(rank)]):  # never published: get would wait for it
+                return None
+            return Activity(**json.loads(self.store.get(str(rank))))
+        except RuntimeError:  # the store is gone (rank 0's host hosts it)
+            return None
+
+
+class _OverlappedAverage:
+    """Averages gradients over ranks while backward still runs, as DDP and Horovod do.
+
+    Parameters are grouped into buckets in reverse order (the order backward produces
+    their gradients). When a parameter's gradient is final (after `accumulate` backward
+    passes) a hook marks it; a bucket whose gradients are all final starts one
+    asynchronous allreduce, and buckets start strictly in order, so every rank issues the
+    same collectives in the same order even when a parameter gets no gradient on some rank.
+    `wait` starts whatever is left, waits for all and writes the averages back.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], size: int, accumulate: int, compression: str):
+        self.size, self.accumulate, self.fp16 = size, accumulate, compression == "fp16"
+        self.buckets = _buckets(list(reversed(params)))
+        self.bucket_of = {param: index for index, bucket in enumerate(self.buckets) for param in bucket}
+        self.passes_left = dict.fromkeys(params, accumulate)
+        self.final = [0] * len(self.buckets)  # gradients final, per bucket
+        self.started: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # (work, wire, flat) per started bucket
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._on_gradient)
+
+    def _on_gradient(self, param: torch.nn.Parameter) -> None:
+        self.passes_left[param] -= 1
+        if self.passes_left[param] == 0:
+            self.final[self.bucket_of[param]] += 1
+            while len(self.started) < len(self.buckets) and \
+                    self.final[len(self.started)] == len(self.buckets[len(self.started)]):
+                self._start(len(self.started))
+
+    def _start(self, index: int) -> None:
+        bucket = self.buckets[index]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        wire = flat.half() if self.fp16 and flat.is_floating_point() else flat
+        self.started.append((dist.all_reduce(wire, async_op=True), wire, flat))  # dist: the sum over ranks
+
+    def wait(self) -> None:
+        while len(self.started) < len(self.buckets):  # parameters without a gradient this step
+            self._start(len(self.started))
+        for bucket, (work, wire, flat) in zip(self.buckets, self.started):
+            work.wait()
+            flat = wire.to(flat.dtype) if wire is not flat else flat
+            flat.div_(self.size)  # dist: ... over the world size: the average
+            offset = 0
+            for param in bucket:
+                average = flat[offset:offset + param.numel()].view_as(param)
+                if param.grad is None:
+                    param.grad = average.clone()
+                else:
+                    param.grad.copy_(average)
+                offset += param.numel()
+        self.started.clear()
+        self.final = [0] * len(self.buckets)
+        self.passes_left = dict.fromkeys(self.passes_left, self.accumulate)
+
+
+def _buckets(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """Consecutive parameters of one dtype and device: the first bucket closes after
+    FIRST_BUCKET_BYTES (so communication starts early in backward), the others after
+    BUCKET_BYTES."""
+    buckets: list[list[torch.nn.Parameter]] = []
     size = 0
-    for grad in grads:
+    for param in params:
         last = buckets[-1] if buckets else None
-        if (last is None or size + grad.numel() * grad.element_size() > BUCKET_BYTES
-                or grad.dtype != last[0].dtype or grad.device != last[0].device):
-            buckets.append([grad])
-            size = grad.numel() * grad.element_size()
+        limit = FIRST_BUCKET_BYTES if len(buckets) == 1 else BUCKET_BYTES
+        if last is None or size >= limit or param.dtype != last[0].dtype or param.device != last[0].device:
+            buckets.append([param])
+            size = 0
         else:
-            last.append(grad)
-            size += grad.numel() * grad.element_size()
+            last.append(param)
+        size += param.numel() * param.element_size()
     return buckets
 
 
