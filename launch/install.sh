@@ -3,15 +3,18 @@
 # Used by `make demo`, `make test` (and so CI) and both Docker images, so the steps
 # a user runs are the steps that are tested.
 #
-#   launch/install.sh [--venv DIR] [--extras test,bench] [--gpu]
+#   launch/install.sh [--venv DIR] [--extras test,bench] [--gpu] [--engine all|torch]
+#
+# --engine torch installs only what the torch.distributed engine needs (torchrun, Gloo
+# and NCCL come with torch's wheel): no MPI, no Horovod build, seconds instead of minutes.
 #
 # Environment: PYTHON (interpreter for the venv), TORCH_SPEC (default torch==2.13.0),
 # HVDTRAIN_CACHE (wheel cache, default ~/.cache/hvdtrain).
 #
-# Steps: a virtual environment; torch; OpenMPI from Debian when `mpicxx` is missing
-# and we are root; Horovod 0.28.1 built with PyTorch, Gloo and MPI (and NCCL with
-# --gpu) into a wheel cache outside the repository, reused on the next run; the
-# hvdtrain package itself, editable.
+# Steps: a virtual environment; torch; for the Horovod engine, OpenMPI from Debian when
+# `mpicxx` is missing and we are root, and Horovod 0.28.1 built with PyTorch, Gloo and MPI
+# (and NCCL with --gpu) into a wheel cache outside the repository, reused on the next
+# run; the launcher entries; the hvdtrain package itself, editable.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -19,6 +22,7 @@ venv="${VENV:-$here/.venv}"
 extras="${EXTRAS:-}"
 gpu="${HVDTRAIN_GPU:-0}"
 python="${PYTHON:-python3.11}"
+engine="all"
 torch_spec="${TORCH_SPEC:-torch==2.13.0}"
 horovod_version="0.28.1"
 cache="${HVDTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}"
@@ -28,11 +32,13 @@ while [ $# -gt 0 ]; do
     --venv) venv="$2"; shift 2 ;;
     --extras) extras="$2"; shift 2 ;;
     --gpu) gpu=1; shift ;;
+    --engine) engine="$2"; shift 2 ;;
     *) echo "install.sh: unknown option '$1' (see the header of $0)" >&2; exit 2 ;;
   esac
 done
 
 say() { printf '[install] %s\n' "$*"; }
+case "$engine" in all|torch) ;; *) echo "install.sh: --engine is all or torch, not '$engine'" >&2; exit 2 ;; esac
 
 # An absolute path: the entries written below name their interpreter by it, and a
 # relative one (`make` passes VENV=.venv) would only work from the repository's root.
@@ -54,56 +60,58 @@ if ! "$py" -c 'import torch' 2>/dev/null; then
   pip install "$torch_spec" numpy
 fi
 
-# 3. OpenMPI. Without root we cannot install it: Horovod is then built with Gloo only.
-with_mpi=1
-if ! command -v mpicxx >/dev/null; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    say "installing OpenMPI from Debian"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev openssh-client >/dev/null
-  else
-    say "mpicxx not found and not root: building Horovod WITHOUT MPI (Gloo only)."
-    say "To get MPI: sudo apt-get install openmpi-bin libopenmpi-dev, then run this again."
-    with_mpi=0
+with_mpi=0
+if [ "$engine" = all ]; then
+  # 3. OpenMPI. Without root we cannot install it: Horovod is then built with Gloo only.
+  with_mpi=1
+  if ! command -v mpicxx >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      say "installing OpenMPI from Debian"
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get update -qq
+      apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev openssh-client >/dev/null
+    else
+      say "mpicxx not found and not root: building Horovod WITHOUT MPI (Gloo only)."
+      say "To get MPI: sudo apt-get install openmpi-bin libopenmpi-dev, then run this again."
+      with_mpi=0
+    fi
   fi
-fi
-# SSH: horovodrun reaches other hosts through it (sshd runs on each worker host).
-if [ ! -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  say "installing OpenSSH from Debian"
-  apt-get install -y -qq --no-install-recommends openssh-client openssh-server >/dev/null \
-    || { apt-get update -qq && apt-get install -y -qq --no-install-recommends openssh-client openssh-server >/dev/null; }
-fi
-if ! command -v cmake >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  # Debian's cmake 3.25: the cmake 4.x wheel rejects Horovod's bundled gloo.
-  apt-get install -y -qq --no-install-recommends cmake >/dev/null
-fi
+  # SSH: horovodrun reaches other hosts through it (sshd runs on each worker host).
+  if [ ! -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing OpenSSH from Debian"
+    apt-get install -y -qq --no-install-recommends openssh-client openssh-server >/dev/null \
+      || { apt-get update -qq && apt-get install -y -qq --no-install-recommends openssh-client openssh-server >/dev/null; }
+  fi
+  if ! command -v cmake >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    # Debian's cmake 3.25: the cmake 4.x wheel rejects Horovod's bundled gloo.
+    apt-get install -y -qq --no-install-recommends cmake >/dev/null
+  fi
 
-# 4. Horovod, built once per (Python, torch, MPI, GPU) and cached as a wheel.
-torch_version=$("$py" -c 'import torch; print(torch.__version__.split("+")[0])')
-py_tag=$("$py" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")')
-flavour="torch${torch_version}-${py_tag}-mpi${with_mpi}-gpu${gpu}"
-wheel_dir="$cache/wheels/horovod-$horovod_version-$flavour"
+  # 4. Horovod, built once per (Python, torch, MPI, GPU) and cached as a wheel.
+  torch_version=$("$py" -c 'import torch; print(torch.__version__.split("+")[0])')
+  py_tag=$("$py" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")')
+  flavour="torch${torch_version}-${py_tag}-mpi${with_mpi}-gpu${gpu}"
+  wheel_dir="$cache/wheels/horovod-$horovod_version-$flavour"
 
-horovod_ok() {
-  "$py" - "$with_mpi" <<'PY' 2>/dev/null
+  horovod_ok() {
+    "$py" - "$with_mpi" <<'PY' 2>/dev/null
 import sys
 import horovod.torch as hvd
 need_mpi = sys.argv[1] == "1"
 assert hvd.gloo_built() and (hvd.mpi_built() or not need_mpi)
 PY
-}
+  }
 
-if ! horovod_ok; then
-  if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
-    say "building Horovod $horovod_version for $flavour (a few minutes, once)"
-    mkdir -p "$wheel_dir" "$cache/build"
-    # pip's own wheel cache is bypassed (--no-cache-dir): it keys builds by the sdist, not
-    # by the torch they were compiled against; this cache is keyed by both.
-    # Horovod 0.28.1 pins -std=c++14; torch >= 2.1 headers need C++17. A compiler
-    # wrapper raises the standard without patching Horovod's sources.
-    wrapper="$cache/build/cxx17"
-    cat >"$wrapper" <<'SH'
+  if ! horovod_ok; then
+    if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
+      say "building Horovod $horovod_version for $flavour (a few minutes, once)"
+      mkdir -p "$wheel_dir" "$cache/build"
+      # pip's own wheel cache is bypassed (--no-cache-dir): it keys builds by the sdist, not
+      # by the torch they were compiled against; this cache is keyed by both.
+      # Horovod 0.28.1 pins -std=c++14; torch >= 2.1 headers need C++17. A compiler
+      # wrapper raises the standard without patching Horovod's sources.
+      wrapper="$cache/build/cxx17"
+      cat >"$wrapper" <<'SH'
 #!/bin/sh
 real="${HVDTRAIN_REAL_CXX:-g++}"
 for a in "$@"; do
@@ -112,40 +120,47 @@ for a in "$@"; do
 done
 exec "$real" "$@"
 SH
-    chmod +x "$wrapper"
-    pip install 'setuptools<81' wheel packaging cloudpickle psutil pyyaml cffi numpy
-    build_env=(
-      CXX="$wrapper"
-      HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1
-      HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
-      MAKEFLAGS="-j$(nproc)"
-    )
-    if [ "$with_mpi" = 1 ]; then build_env+=(HOROVOD_WITH_MPI=1); else build_env+=(HOROVOD_WITHOUT_MPI=1); fi
-    if [ "$gpu" = 1 ]; then build_env+=(HOROVOD_GPU_OPERATIONS=NCCL); fi
-    env "${build_env[@]}" "$py" -m pip --disable-pip-version-check wheel \
-      --no-build-isolation --no-deps --no-binary horovod --no-cache-dir \
-      -w "$wheel_dir" "horovod==$horovod_version" >"$cache/build/horovod-build.log" 2>&1 || {
-        tail -n 40 "$cache/build/horovod-build.log" >&2
-        echo "install.sh: the Horovod build failed; full log: $cache/build/horovod-build.log" >&2
-        exit 1
-      }
+      chmod +x "$wrapper"
+      pip install 'setuptools<81' wheel packaging cloudpickle psutil pyyaml cffi numpy
+      build_env=(
+        CXX="$wrapper"
+        HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1
+        HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
+        MAKEFLAGS="-j$(nproc)"
+      )
+      if [ "$with_mpi" = 1 ]; then build_env+=(HOROVOD_WITH_MPI=1); else build_env+=(HOROVOD_WITHOUT_MPI=1); fi
+      if [ "$gpu" = 1 ]; then build_env+=(HOROVOD_GPU_OPERATIONS=NCCL); fi
+      env "${build_env[@]}" "$py" -m pip --disable-pip-version-check wheel \
+        --no-build-isolation --no-deps --no-binary horovod --no-cache-dir \
+        -w "$wheel_dir" "horovod==$horovod_version" >"$cache/build/horovod-build.log" 2>&1 || {
+          tail -n 40 "$cache/build/horovod-build.log" >&2
+          echo "install.sh: the Horovod build failed; full log: $cache/build/horovod-build.log" >&2
+          exit 1
+        }
+    fi
+    say "installing Horovod from $wheel_dir"
+    pip install --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+    pip install cloudpickle psutil pyyaml packaging cffi
+    horovod_ok || { echo "install.sh: Horovod installed but does not import with Gloo${with_mpi:+/MPI}" >&2; exit 1; }
   fi
-  say "installing Horovod from $wheel_dir"
-  pip install --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
-  pip install cloudpickle psutil pyyaml packaging cffi
-  horovod_ok || { echo "install.sh: Horovod installed but does not import with Gloo${with_mpi:+/MPI}" >&2; exit 1; }
+
 fi
 
-# Horovod's Gloo launcher prints a Python traceback of its own whenever a worker
-# exits non-zero; this entry runs the same launcher and reports that in one line.
+# Horovod's Gloo launcher and torchrun print a traceback and a report of their own
+# whenever a worker exits non-zero; these entries run the same launchers and report
+# that in one line (hvdtrain/launcher.py).
 bin_dir=$(dirname "$py")
-cat >"$bin_dir/horovodrun" <<SH
+launchers=(torchrun)
+[ "$engine" = all ] && launchers+=(horovodrun)
+for launcher in "${launchers[@]}"; do
+  cat >"$bin_dir/$launcher" <<SH
 #!$py
-from hvdtrain.launcher import horovodrun
+from hvdtrain.launcher import $launcher
 if __name__ == "__main__":  # Horovod's runner spawns processes that re-import this file
-    horovodrun()
+    $launcher()
 SH
-chmod +x "$bin_dir/horovodrun"
+  chmod +x "$bin_dir/$launcher"
+done
 
 # 5. hvdtrain itself (editable) and mpi4py when MPI is there.
 spec="$here"
@@ -153,4 +168,8 @@ spec="$here"
 packages=(-e "$spec")
 [ "$with_mpi" = 1 ] && packages+=(mpi4py)
 pip install "${packages[@]}"
-say "ready: $("$py" -c 'import torch, horovod; print(f"torch {torch.__version__}, horovod {horovod.__version__}")')"
+if [ "$engine" = all ]; then
+  say "ready: $("$py" -c 'import torch, horovod; print(f"torch {torch.__version__}, horovod {horovod.__version__}")')"
+else
+  say "ready: $("$py" -c 'import torch; print(f"torch {torch.__version__}, torch.distributed engine only (no Horovod)")')"
+fi
