@@ -23,7 +23,14 @@ LAUNCHERS = {
     "horovodrun-gloo": ["horovodrun", "--gloo", "-np", "2"],
     "horovodrun-mpi": ["horovodrun", "--mpi", "-np", "2"],
     "mpirun": ["mpirun", "-np", "2", "--oversubscribe"],
+    "torchrun": ["torchrun", "--nproc-per-node", "2"],  # the torch engine (--engine auto picks it)
 }
+HOROVOD_AND_TORCH = ["horovodrun-gloo", "torchrun"]  # one launcher per engine
+
+
+def python_under(launcher: str) -> list[str]:
+    """The launcher's command line up to a Python script's path (torchrun starts Python itself)."""
+    return LAUNCHERS[launcher] if launcher == "torchrun" else [*LAUNCHERS[launcher], sys.executable]
 
 
 def launch_env(pythonpath: str | None = None) -> dict[str, str]:
@@ -50,6 +57,16 @@ def fit_under(launcher: str | None, *args: str, timeout: float = 180, cwd: Path 
 
 
 @pytest.fixture(scope="session")
+def digits_torchrun(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The same digits run as `digits_np2`, under `torchrun --nproc-per-node 2` (the torch engine)."""
+    run_dir = tmp_path_factory.mktemp("digits-torchrun") / "run"
+    done = run([*LAUNCHERS["torchrun"], "hvdtrain", "fit", "--progress", "off", "--epochs", "3",
+                "--run-dir", str(run_dir), "--log-every", "4"], cwd=run_dir.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir, done
+
+
+@pytest.fixture(scope="session")
 def digits_np2(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """One digits run of 3 epochs under plain `horovodrun -np 2` (MPI controller), with step logging
     and Horovod's timeline, shared by the tests of fit's launch and of what comes after fit."""
@@ -65,8 +82,8 @@ def have(command: str) -> bool:
 
 
 requires_launchers = pytest.mark.skipif(
-    not (have("horovodrun") and have("mpirun")),
-    reason="horovodrun and mpirun are installed by launch/install.sh (make test)",
+    not (have("horovodrun") and have("mpirun") and have("torchrun")),
+    reason="horovodrun, mpirun and torchrun are installed by launch/install.sh (make test)",
 )
 
 

@@ -75,21 +75,25 @@ def test_bench_train_scaling_under_horovodrun(tmp_path):
 @pytest.mark.multiprocess
 @requires_launchers
 @pytest.mark.timeout(600)
-def test_make_bench_runs_every_contender_and_writes_the_ratios(tmp_path):
-    """benchmarks/run.py, one short repeat: the table, the ratios and results.json (not the figures)."""
+def test_make_bench_runs_every_contender_and_writes_the_ratios(tmp_path, monkeypatch):
+    """benchmarks/run.py, one short repeat of both jobs: the tables, the ratios, each contender's share of the
+    ceiling and results.json (not the figures)."""
     out = tmp_path / "results.json"
+    monkeypatch.setenv("BENCH_STEPS", "3")  # 3 steps per epoch: the commands, not the speed
     done = run([sys.executable, "benchmarks/run.py", "--repeats", "1", "--epochs", "2", "--sampler-size", "100000",
                 "--out", str(out)], timeout=540, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
-    contenders = result["samples_per_s"]
-    assert len(contenders) == 6 and all(len(rates) == 1 and rates[0] > 0 for rates in contenders.values())
+    assert list(result["samples_per_s"]) == ["linear", "conv"]
     assert result["machine"]["controller"] in ("mpi", "gloo")
-    assert [label.split(" (")[0] for label in result["ratios"]] == [
-        "fit / torchrun DDP", "fit / hand-written Horovod loop", "fit / one process all cores",
-        "fit / hand-written loop + hvdtrain's host settings"]
-    assert [row["sampler"] for row in result["sampler"]["rows"]] == ["hvdtrain", "torch"]
     lines = done.stdout.splitlines()
-    for name in contenders:  # its run line and its row in the table of medians
-        assert sum(line.startswith(f"  run 1/1  {name}") for line in lines) == 1
-        assert sum(line.startswith(name) for line in lines) == 1
+    for job, contenders in result["samples_per_s"].items():
+        assert len(contenders) == 6 and all(len(rates) == 1 and rates[0] > 0 for rates in contenders.values())
+        ratios = result["ratios"][job]
+        assert ratios["torch engine / hand-written DDP (target >= 1.00)"] > 0
+        shares = [label for label in ratios if label.startswith("share of the ceiling: ")]
+        assert len(shares) == 5 and all(ratios[label] > 0 for label in shares)  # every contender but the ceiling
+        for name in contenders:  # its run line and its row in the job's table of medians
+            assert sum(line.startswith(f"  run 1/1  {job:<6} {name}") for line in lines) == 1
+            assert sum(line.startswith(name) for line in lines) == 2  # its row in both jobs' tables
+    assert [row["sampler"] for row in result["sampler"]["rows"]] == ["hvdtrain", "torch"]

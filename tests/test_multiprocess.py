@@ -1,4 +1,5 @@
-"""Real multi-process runs on the CPU: horovodrun (Gloo and MPI) and plain mpirun, 2 processes."""
+"""Real multi-process runs on the CPU, 2 processes: horovodrun (Gloo and MPI) and plain mpirun with the
+Horovod engine, torchrun with the torch engine."""
 
 import json
 import re
@@ -9,7 +10,8 @@ import time
 import pytest
 import torch
 
-from conftest import LAUNCHERS, ROOT, assert_same_weights, final_weights, fit_under, requires_launchers, run
+from conftest import (HOROVOD_AND_TORCH, LAUNCHERS, ROOT, assert_same_weights, final_weights, fit_under,
+                      python_under, requires_launchers, run)
 
 pytestmark = [pytest.mark.multiprocess, requires_launchers, pytest.mark.timeout(300)]
 
@@ -20,6 +22,8 @@ RANDOM = ["--data", "random", "--set", "data.samples=600", "--set", "data.featur
 def test_fit_runs_under_each_launcher(launcher, tmp_path, request):
     if launcher == "horovodrun-mpi":  # the shared run: plain horovodrun picks MPI
         run_dir, done = request.getfixturevalue("digits_np2")
+    elif launcher == "torchrun":
+        run_dir, done = request.getfixturevalue("digits_torchrun")
     else:
         run_dir = tmp_path / "run"
         done = fit_under(launcher, "--epochs", "2", "--run-dir", str(run_dir))
@@ -27,7 +31,7 @@ def test_fit_runs_under_each_launcher(launcher, tmp_path, request):
     summary = json.loads((run_dir / "summary.json").read_text())
     epochs = summary["epochs"]
     assert summary["world_size"] == 2 and epochs in (2, 3)
-    assert summary["controller"] == ("gloo" if launcher == "horovodrun-gloo" else "mpi")
+    assert summary["controller"] == ("gloo" if launcher in ("horovodrun-gloo", "torchrun") else "mpi")
     assert summary["val_acc"] > 0.85  # digits after 2 epochs
     # Every rank logs its start line once; only rank 0 prints progress.
     assert done.stderr.count("hvdtrain: rank 0/2 local_rank 0/2") == 1
@@ -35,15 +39,16 @@ def test_fit_runs_under_each_launcher(launcher, tmp_path, request):
     assert done.stdout.count(f"epoch {epochs}/{epochs}") == 1
 
 
-@pytest.mark.parametrize("launcher", [["torchrun", "--nproc-per-node", "2", "--no-python"],
-                                      ["mpirun", "-np", "2", "--oversubscribe"]], ids=["torchrun", "mpirun"])
-def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_path, request):
     """The same config under torch.distributed (Gloo) and under Horovod (the shared horovodrun run)."""
     horovod_dir, _ = digits_np2
-    run_dir = tmp_path / "run"
-    engine = [] if launcher[0] == "torchrun" else ["--engine", "torch"]  # auto picks torch under torchrun
-    done = run([*launcher, "hvdtrain", "fit", "--progress", "off", "--epochs", "3", "--log-every", "4",
-                "--run-dir", str(run_dir), *engine], cwd=tmp_path)
+    if launcher == "torchrun":  # --engine auto picks torch; the shared run
+        run_dir, done = request.getfixturevalue("digits_torchrun")
+    else:
+        run_dir = tmp_path / "run"
+        done = fit_under(launcher, "--epochs", "3", "--log-every", "4", "--run-dir", str(run_dir), "--engine", "torch",
+                         cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["controller"] == "gloo"
@@ -52,9 +57,9 @@ def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_
 
 
 @pytest.mark.parametrize("launcher, combine", [("horovodrun-gloo", "average"), ("mpirun", "average"),
-                                               ("mpirun", "adasum")])
+                                               ("mpirun", "adasum"), ("torchrun", "average")])
 def test_every_rank_holds_identical_parameters_after_k_steps(launcher, combine, tmp_path):
-    done = run([*LAUNCHERS[launcher], sys.executable, str(ROOT / "tests/workers/ranks_agree.py"), str(tmp_path), "5",
+    done = run([*python_under(launcher), str(ROOT / "tests/workers/ranks_agree.py"), str(tmp_path), "5",
                 combine])
     assert done.returncode == 0, done.stderr[-3000:]
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
@@ -68,14 +73,15 @@ def test_every_rank_holds_identical_parameters_after_k_steps(launcher, combine, 
         assert_same_weights(rank0["final"], rank0["broadcast"], atol=0.0)  # training moved them
 
 
+@pytest.mark.parametrize("launcher", HOROVOD_AND_TORCH)
 @pytest.mark.parametrize(
     "extra",
     [[], ["--clip-grad-norm", "0.05"], ["--optimizer", "adamw", "--lr", "0.01"]],
     ids=["sgd", "clipped-after-allreduce", "adamw"],
 )
-def test_two_ranks_batch_b_equal_one_process_batch_2b(extra, tmp_path):
+def test_two_ranks_batch_b_equal_one_process_batch_2b(extra, launcher, tmp_path):
     common = [*RANDOM, "--epochs", "2", "--no-scale-lr", "--warmup-epochs", "0", *extra]
-    two = fit_under("horovodrun-gloo", *common, "--batch-size", "8", "--run-dir", str(tmp_path / "two"))
+    two = fit_under(launcher, *common, "--batch-size", "8", "--run-dir", str(tmp_path / "two"))
     one = fit_under(None, *common, "--batch-size", "16", "--run-dir", str(tmp_path / "one"))
     assert two.returncode == 0 and one.returncode == 0, two.stderr[-2000:] + one.stderr[-2000:]
     assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), atol=1e-5)
@@ -107,22 +113,33 @@ def test_every_task_two_ranks_batch_b_equal_one_process_batch_2b(task, tmp_path)
         assert {k: sharded[k] for k in metrics} == pytest.approx({k: whole[k] for k in metrics}, rel=1e-5)
 
 
-def test_accumulation_under_horovod_equals_one_large_batch(tmp_path):
+@pytest.mark.parametrize("launcher", HOROVOD_AND_TORCH)
+def test_accumulation_on_two_ranks_equals_one_large_batch(launcher, tmp_path):
     common = [*RANDOM, "--epochs", "2", "--no-scale-lr", "--warmup-epochs", "0"]
-    two = fit_under("horovodrun-gloo", *common, "--batch-size", "4", "--accumulate", "2", "--run-dir", str(tmp_path / "two"))
+    two = fit_under(launcher, *common, "--batch-size", "4", "--accumulate", "2", "--run-dir", str(tmp_path / "two"))
     one = fit_under(None, *common, "--batch-size", "16", "--run-dir", str(tmp_path / "one"))
     assert two.returncode == 0 and one.returncode == 0, two.stderr[-2000:] + one.stderr[-2000:]
     assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), atol=1e-5)
 
 
-def test_resume_under_horovodrun_reaches_the_same_weights(tmp_path):
-    whole, halves = tmp_path / "whole", tmp_path / "halves"
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    """4 epochs in one go under horovodrun, for the resumed runs to match."""
+    whole = tmp_path_factory.mktemp("whole") / "run"
     assert fit_under("horovodrun-gloo", *RANDOM, "--epochs", "4", "--run-dir", str(whole)).returncode == 0
-    assert fit_under("horovodrun-gloo", *RANDOM, "--epochs", "2", "--run-dir", str(halves)).returncode == 0
-    resumed = fit_under("horovodrun-gloo", *RANDOM, "--epochs", "4", "--run-dir", str(halves), "--resume")
+    return whole
+
+
+@pytest.mark.parametrize("first, second", [("horovodrun-gloo", "horovodrun-gloo"), ("torchrun", "torchrun"),
+                                           ("horovodrun-gloo", "torchrun"), ("torchrun", "horovodrun-gloo")])
+def test_resume_reaches_the_same_weights_under_either_engine(first, second, whole_run, tmp_path):
+    """Checkpoints do not depend on the engine: a run stopped under one resumes under the other."""
+    halves = tmp_path / "halves"
+    assert fit_under(first, *RANDOM, "--epochs", "2", "--run-dir", str(halves)).returncode == 0
+    resumed = fit_under(second, *RANDOM, "--epochs", "4", "--run-dir", str(halves), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "epoch 3/4" in resumed.stdout and "epoch 1/4" not in resumed.stdout
-    assert_same_weights(final_weights(whole), final_weights(halves), atol=1e-6)
+    assert_same_weights(final_weights(whole_run), final_weights(halves), atol=1e-6)
 
 
 BAD = {
@@ -154,7 +171,7 @@ def test_bad_input_under_each_launcher(launcher, case, tmp_path):
     assert (existing / "untouched" / "conftest.py").read_text() == (ROOT / "tests/conftest.py").read_text()
 
 
-@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
 def test_a_failure_on_one_rank_stops_all_with_its_cause(launcher, tmp_path):
     done = fit_under(launcher, "--data", "user_code:fails_on_one_rank", "--run-dir", str(tmp_path / "r"), timeout=90)
     output = done.stdout + done.stderr
@@ -164,7 +181,7 @@ def test_a_failure_on_one_rank_stops_all_with_its_cause(launcher, tmp_path):
     assert "Traceback" not in output
 
 
-@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
 def test_a_data_set_failing_mid_epoch_on_one_rank_is_one_line_naming_where(launcher, tmp_path):
     started = time.monotonic()
     done = fit_under(launcher, "--data", "user_code:corrupt_on_rank_one", "--batch-size", "16",
@@ -186,7 +203,7 @@ def test_adasum_trains_under_mpi(launcher, tmp_path):
     assert summary["world_size"] == 2 and summary["val_acc"] > 0.85  # digits: 0.94 measured
 
 
-@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
 def test_ranks_with_different_data_stop_clearly_instead_of_hanging(launcher, tmp_path):
     # Rank 0 would see 6 batches and rank 1 12: without the check, rank 1 waits forever.
     done = fit_under(launcher, "--data", "user_code:uneven_by_rank", "--batch-size", "16",
@@ -199,27 +216,42 @@ def test_ranks_with_different_data_stop_clearly_instead_of_hanging(launcher, tmp
 
 def _ranks_of(run_dir):
     """The training processes of a run (not its launcher)."""
-    from pathlib import Path
-
     import psutil
 
-    # A rank runs the hvdtrain script itself (`python .../bin/hvdtrain fit ...`); launchers
-    # and the `sh -c` wrappers Horovod's Gloo launcher puts around ranks do not.
     return [p for p in psutil.process_iter(["cmdline"])
-            if p.info["cmdline"] and str(run_dir) in " ".join(p.info["cmdline"])
-            and "hvdtrain" in {Path(part).name for part in p.info["cmdline"][:2]}]
+            if p.info["cmdline"] and str(run_dir) in " ".join(p.info["cmdline"]) and _is_rank(p.info["cmdline"])]
 
 
-@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
-def test_a_killed_rank_stops_the_job_and_resume_finishes_it(launcher, tmp_path):
+def _is_rank(cmdline: list[str]) -> bool:
+    """`python .../bin/hvdtrain fit ...` or `python -u -m hvdtrain fit ...` (torchrun's), not a launcher
+    (`torchrun ... hvdtrain fit`) nor the `sh -c` wrappers Horovod's Gloo launcher puts around ranks."""
+    from pathlib import Path
+
+    names = [Path(part).name for part in cmdline]
+    if "fit" not in names:
+        return False
+    before = names[:names.index("fit")]
+    return before[-1] == "hvdtrain" and not {"horovodrun", "mpirun", "torchrun", "sh"} & set(before)
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory):
+    """A run long enough to be killed mid-training, uninterrupted under horovodrun: (its arguments, its directory)."""
+    args = [*RANDOM, "--set", "data.samples=60000", "--epochs", "4", "--progress", "off", "--log-every", "25"]
+    whole = tmp_path_factory.mktemp("long") / "whole"
+    assert fit_under("horovodrun-gloo", *args, "--run-dir", str(whole)).returncode == 0
+    return args, whole
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
+def test_a_killed_rank_stops_the_job_and_resume_finishes_it(launcher, long_run, tmp_path):
     import os
     import signal
     import subprocess
     from conftest import launch_env
 
-    args = [*RANDOM, "--set", "data.samples=60000", "--epochs", "4", "--progress", "off", "--log-every", "25"]
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    assert fit_under("horovodrun-gloo", *args, "--run-dir", str(whole)).returncode == 0
+    args, whole = long_run
+    killed = tmp_path / "killed"
     job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *args, "--run-dir", str(killed)],
                            env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
@@ -257,8 +289,9 @@ NAN_RUN = ["--data", "random", "--set", "data.samples=512", "--set", "data.featu
            "user_code:nan_on_rank_one", "--epochs", "4", "--threads", "1"]  # 3 steps per epoch
 
 
-def test_a_nan_on_one_rank_stops_every_rank_at_that_step(tmp_path):
-    done = fit_under("horovodrun-gloo", *NAN_RUN, "--run-dir", str(tmp_path / "r"), timeout=90)
+@pytest.mark.parametrize("launcher", HOROVOD_AND_TORCH)
+def test_a_nan_on_one_rank_stops_every_rank_at_that_step(launcher, tmp_path):
+    done = fit_under(launcher, *NAN_RUN, "--run-dir", str(tmp_path / "r"), timeout=90)
     output = done.stdout + done.stderr
     assert done.returncode == 1, output[-2000:]
     assert output.count("hvdtrain: error:") == 1 and "Traceback" not in output
@@ -298,9 +331,11 @@ def test_ranks_with_3_and_5_batches_stop_within_the_stall_timeout(launcher):
     assert "Traceback" not in output
 
 
-def test_a_rank_stuck_in_its_step_is_named_under_gloo(tmp_path):
+@pytest.mark.parametrize("launcher", HOROVOD_AND_TORCH)
+def test_a_rank_stuck_in_its_step_is_named_under_gloo(launcher, tmp_path):
+    """Horovod's Gloo controller and the torch engine: hvdtrain's own stall watchdog names the rank."""
     started = time.monotonic()
-    done = fit_under("horovodrun-gloo", "--model", "user_code:stuck_on_rank_1", "--set", "train.stall_timeout=6",
+    done = fit_under(launcher, "--model", "user_code:stuck_on_rank_1", "--set", "train.stall_timeout=6",
                      "--run-dir", str(tmp_path / "run"), timeout=90)
     assert done.returncode != 0 and time.monotonic() - started < 60
     errors = [line for line in done.stderr.splitlines() if "the job stalled" in line]

@@ -22,6 +22,13 @@ class Blobs(Dataset):
         return self.x[index], self.y[index]
 
 
+def _rank() -> int:
+    """This process's rank as its launcher set it (horovodrun, mpirun or torchrun), 0 alone."""
+    from hvdtrain.engine import launcher_rank
+
+    return launcher_rank() or 0
+
+
 def blobs():
     return Blobs()
 
@@ -44,9 +51,7 @@ def raises_on_import_of_missing():
 
 def fails_on_one_rank():
     """Like a data file present on one host but not another: only rank 1 fails."""
-    import os
-
-    rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    rank = _rank()
     if rank == 1:
         raise FileNotFoundError("/data/shard-1 is missing on this host")
     return Blobs()
@@ -62,9 +67,7 @@ def tensors():
 
 def uneven_by_rank():
     """Rank 1 sees more data than rank 0 (a per-host shard of another size): batch counts differ."""
-    import os
-
-    rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    rank = _rank()
     return Blobs(200 + 200 * rank), Blobs(40)
 
 
@@ -73,11 +76,9 @@ class NaNOnRankOne(nn.Module):
 
     def __init__(self, input_shape, num_classes):
         import math
-        import os
-
         super().__init__()
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
-        self.rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+        self.rank = _rank()
         self.calls = 0
 
     def forward(self, x):
@@ -124,10 +125,9 @@ class _StuckOnRank1(nn.Module):
         self.inner, self.calls = inner, 0
 
     def forward(self, x):
-        import os
         import time
 
-        if self.training and os.environ.get("HOROVOD_RANK") == "1":
+        if self.training and _rank() == 1:
             self.calls += 1
             while self.calls >= 3:
                 time.sleep(1)
@@ -154,12 +154,6 @@ def stream():
 
 
 # --- tasks ------------------------------------------------------------------------
-
-
-def _rank() -> int:
-    import os
-
-    return int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
 
 
 def _tensor_split(x, y, val=60):

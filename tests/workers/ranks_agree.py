@@ -1,6 +1,7 @@
 """Run under a launcher: k steps on rank-specific data, then each rank saves its parameters.
 
     horovodrun --gloo -np 2 python tests/workers/ranks_agree.py OUT_DIR STEPS [average|adasum]
+    torchrun --nproc-per-node 2 tests/workers/ranks_agree.py OUT_DIR STEPS
 """
 
 import sys
@@ -14,7 +15,7 @@ from hvdtrain.models import mlp
 
 out, steps = Path(sys.argv[1]), int(sys.argv[2])
 adasum = sys.argv[3:] == ["adasum"]
-engine = start_engine("horovod", "cpu", threads=1)
+engine = start_engine("auto", "cpu", threads=1)
 torch.manual_seed(100 + engine.rank)  # deliberately different initial weights on each rank
 model = mlp((6,), 3, hidden=8)
 initial = {k: v.clone() for k, v in model.state_dict().items()}
