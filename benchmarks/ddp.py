@@ -1,6 +1,6 @@
 """A torchrun + DistributedDataParallel (Gloo) script, the usual alternative (for comparison).
 
-    torchrun --nproc-per-node 2 benchmarks/ddp.py EPOCHS
+    torchrun --nproc-per-node 2 benchmarks/ddp.py EPOCHS JOB
 """
 
 import json
@@ -11,17 +11,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from benchmarks.jobs import BATCH, small_cnn, synthetic, timed_epochs
+from benchmarks.jobs import BATCH, build, timed_epochs
 
-epochs = int(sys.argv[1])
+epochs, job = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
 torch.set_num_threads(1)
-train, _ = synthetic()
+model, train = build(job)
 sampler = DistributedSampler(train, num_replicas=size, rank=rank)
 loader = DataLoader(train, batch_size=BATCH, sampler=sampler)
-model = DistributedDataParallel(small_cnn())
+model = DistributedDataParallel(model)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size, momentum=0.9)
 
 rate = timed_epochs(model, optimizer, loader, epochs, len(loader) * BATCH * size, sampler)

@@ -1,6 +1,7 @@
-"""One process using every core: the plain PyTorch loop (for comparison).
+"""One process, no communication: the plain PyTorch loop (for comparison, and twice at once
+with one thread each for the ceiling).
 
-    python benchmarks/single.py EPOCHS
+    python benchmarks/single.py EPOCHS JOB [THREADS]     # THREADS: every core by default
 """
 
 import json
@@ -10,14 +11,14 @@ import sys
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks.jobs import BATCH, small_cnn, synthetic, timed_epochs
+from benchmarks.jobs import BATCH, build, timed_epochs
 
-epochs = int(sys.argv[1])
+epochs, job = int(sys.argv[1]), sys.argv[2]
+threads = int(sys.argv[3]) if len(sys.argv) > 3 else len(os.sched_getaffinity(0))
 torch.manual_seed(0)
-torch.set_num_threads(len(os.sched_getaffinity(0)))
-train, _ = synthetic()
+torch.set_num_threads(threads)
+model, train = build(job)
 loader = DataLoader(train, batch_size=BATCH, shuffle=True)
-model = small_cnn()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 rate = timed_epochs(model, optimizer, loader, epochs, len(loader) * BATCH)
