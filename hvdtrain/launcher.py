@@ -41,7 +41,13 @@ def torchrun() -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    args = parse_args(None)
+    argv = sys.argv[1:]
+    program = _program_index(argv)
+    # torchrun's argparse also reads the program's own flags and stops at any that abbreviates two
+    # of its options (`plan --np 2`: --nproc-per-node or --nproc_per_node?): it parses up to the
+    # program only, and the program's arguments pass through untouched.
+    args = parse_args(argv[:program + 1])
+    args.training_script_args = argv[program + 1:]
     if args.training_script == "hvdtrain" and not (args.no_python or args.module or os.path.exists("hvdtrain")):
         args.module = True  # python -m hvdtrain: the same program as the `hvdtrain` command
     # torchrun logs each failed worker at ERROR before it raises; the line below says it once.
@@ -53,6 +59,20 @@ def torchrun() -> None:
         print(f"torchrun: worker rank {rank} {_describe_exit(failure.exitcode)}; the other workers were stopped",
               file=sys.stderr, flush=True)
         sys.exit(failure.exitcode if failure.exitcode > 0 else 1)
+
+
+def _program_index(argv: list[str]) -> int:
+    """Where the program (`hvdtrain`, a script) begins among torchrun's arguments."""
+    from torch.distributed.run import get_args_parser
+
+    options = {name: action.nargs != 0 for action in get_args_parser()._actions for name in action.option_strings}
+    index = 0
+    while index < len(argv) and argv[index].startswith("-"):
+        name = argv[index].split("=", 1)[0]
+        matches = [known for known in options if known.startswith(name)]  # argparse takes abbreviations
+        takes_value = options.get(name, len(matches) == 1 and options[matches[0]])
+        index += 2 if takes_value and "=" not in argv[index] else 1
+    return min(index, max(0, len(argv) - 1))
 
 
 def _describe_exit(code: int) -> str:

@@ -328,16 +328,19 @@ def _every_flag(command) -> list[str]:
 
 @pytest.mark.multiprocess
 @requires_launchers
-def test_every_flag_of_every_command_passes_through_horovodrun_unchanged(tmp_path):
+@pytest.mark.parametrize("launcher", [["horovodrun", "--gloo", "-np", "1", "python"],
+                                      ["torchrun", "--nproc-per-node", "1", "--no-python", "python"]],
+                         ids=["horovodrun", "torchrun"])
+def test_every_flag_of_every_command_passes_through_the_launcher_unchanged(launcher, tmp_path):
     from hvdtrain.cli import cli
 
     argv = []
     for name in ("fit", "plan", "evaluate", "predict", "export", "plot", "runs", "doctor"):
         argv += [name, *_every_flag(cli.commands[name])]
-    assert {"--horovod-timeline", "--log-every", "--raw-outputs", "--no-tensorboard", "--split"} <= set(argv)
+    assert {"--horovod-timeline", "--log-every", "--raw-outputs", "--no-tensorboard", "--split", "--np"} <= set(argv)
     script = tmp_path / "echo.py"
     script.write_text(ECHO)
-    result = run(["horovodrun", "--gloo", "-np", "1", "python", str(script), *argv], cwd=tmp_path, timeout=120)
+    result = run([*launcher, str(script), *argv], cwd=tmp_path, timeout=120)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-2000:]
     echoed = json.loads(next(line for line in out.splitlines() if "ARGV" in line).split("ARGV", 1)[1])
