@@ -452,32 +452,31 @@ def bench_sampler(size: int, world_size: int, json_path: str | None) -> None:
 @click.option("--np", "planned", type=int, default=1, show_default=True,
               help="Alone: the local processes you plan to start (for the GPU and thread plan).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--engine", "engine_kind", type=click.Choice(["auto", "horovod", "torch"]), default="auto",
+              show_default=True, help="The engine to check; auto: alone, fail only if neither could run.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every rank's facts as JSON.")
-def doctor(planned: int, device: str, json_path: str | None) -> None:
-    """Report versions, Horovod's build, MPI, GPUs and threads; exit 1 with a fix if a launch would fail."""
+def doctor(planned: int, device: str, engine_kind: str, json_path: str | None) -> None:
+    """Report versions, both engines (Horovod's build, torch.distributed's backends), MPI, GPUs and threads;
+    exit 1 with a fix if a launch would fail."""
     from hvdtrain import doctor as checks
-    from hvdtrain.engine import launcher_rank
+    from hvdtrain.engine import launcher_rank, start_engine
 
     if planned < 1:
         raise UserError(f"--np must be at least 1, got {planned}")
     if launcher_rank() is None:
         reports = [checks.report(0, 0, planned, planned, launched=False)]
-    else:  # dist: every rank reports; rank 0 prints them in order
-        from hvdtrain.engine.horovod import HorovodEngine
-
-        import torch
-
-        HorovodEngine.init()
-        engine = HorovodEngine.start(torch.device("cpu"))
+    else:  # dist: every rank reports through the engine its launcher starts; rank 0 prints them in order
+        engine = start_engine(engine_kind, "cpu", keep_freed_memory=False)
         try:
-            mine = checks.report(engine.rank, engine.local_rank, engine.size, engine.local_size, launched=True)
+            mine = checks.report(engine.rank, engine.local_rank, engine.size, engine.local_size, launched=True,
+                                 engine=engine.name)
             reports = engine.allgather_object(mine, "doctor")
         finally:
             engine.shutdown()
         if (launcher_rank() or 0) != 0:
             return
-    found = [checks.problems(r, device) for r in reports]
-    click.echo("\n".join(checks.render(r, f) for r, f in zip(reports, found)))
+    found = [checks.problems(r, device, engine_kind) for r in reports]
+    click.echo("\n".join(checks.render(r, f, device) for r, f in zip(reports, found)))
     _write_json(json_path, [{**r, "problems": f} for r, f in zip(reports, found)])
     if any(found):
         sys.exit(1)

@@ -207,7 +207,7 @@ def finish(config: Config, engine: Engine, run: Run, run_dir: Path, totals: Tota
         "train_loss": record.get("train_loss"), "best_metric": key,
         "train_samples_per_s": totals.train_samples / totals.train_seconds if totals.train_seconds else None,
         "wall_s": time.perf_counter() - totals.started,
-        "controller": engine.controller, "device": str(engine.device),
+        "engine": engine.name, "controller": engine.controller, "device": str(engine.device),
         "resumed_from_epoch": totals.start_epoch or None,
     }
     if files is not None:

@@ -40,7 +40,8 @@ class Engine(ABC):
     size: int
     local_size: int
     device: torch.device
-    controller: str  # "gloo", "mpi" or "local"
+    name: str  # "horovod", "torch" or "local"
+    controller: str  # "gloo", "mpi", "nccl" or "local"
 
     @property
     def is_root(self) -> bool:

@@ -46,6 +46,7 @@ def is_collective_failure(err: BaseException) -> bool:
 
 class HorovodEngine(Engine):
     """Wraps an initialised Horovod; build it with `HorovodEngine.start()`."""
+    name = "horovod"
 
     def __init__(self, device: torch.device, controller: str):
         self.device = device

@@ -11,6 +11,7 @@ from hvdtrain.engine.base import Engine, GradientSync
 
 
 class LocalEngine(Engine):
+    name = "local"
     controller = "local"
 
     def __init__(self, device: torch.device):
