@@ -71,6 +71,18 @@ def test_sbatch_runs_two_ranks_through_srun(cluster):
     assert summary["world_size"] == 2 and summary["controller"] == "mpi" and summary["val_acc"] > 0.85
 
 
+def test_sbatch_runs_the_torch_engine_through_srun(cluster):
+    """--engine torch: rank and size from Slurm, the rendezvous at the MASTER_ADDR the script sets."""
+    root, env = cluster
+    run_dir = root / "torch-engine"
+    job = _submit(env, root, "--epochs", "2", "--run-dir", str(run_dir), "--engine", "torch")
+    assert _wait(env, job) == "COMPLETED", (root / f"job-{job}.log").read_text()[-3000:]
+    log = (root / f"job-{job}.log").read_text()
+    assert "hvdtrain: rank 0/2 local_rank 0/2" in log and "hvdtrain: rank 1/2 local_rank 1/2" in log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["engine"] == "torch" and summary["controller"] == "gloo"
+
+
 def test_scancel_ends_every_task_and_resume_finishes(cluster):
     root, env = cluster
     run_dir = root / "cancelled"

@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from hvdtrain.watchdog import Activity, StallWatchdog
 _LAUNCHER_VARIABLES = (
     ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # torchrun
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),  # else _slurm_tasks_here
 )
 # Gradients are reduced in buckets of about this many bytes: one collective per bucket
 # (DDP's sizes: a small first bucket starts communication early in backward).
@@ -50,9 +51,25 @@ def launcher_facts() -> tuple[int, int, int, int] | None:
         if all(name in os.environ for name in names[:2]):
             rank, size = int(os.environ[names[0]]), int(os.environ[names[1]])
             local_rank = int(os.environ.get(names[2], rank))
-            local_size = int(os.environ.get(names[3], str(size)).split("(")[0])  # Slurm may write "2(x3)"
+            local_size = int(os.environ[names[3]]) if names[3] in os.environ else _slurm_tasks_here() or size
             return rank, size, local_rank, local_size
     return None
+
+
+def _slurm_tasks_here() -> int | None:
+    """Tasks of this Slurm step on this node, from its per-node list ("2(x3),1": 2 on each of the first
+    three nodes, 1 on the fourth), which srun sets even without --ntasks-per-node."""
+    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
+    node = os.environ.get("SLURM_NODEID")
+    if not spec or node is None:
+        return None
+    counts: list[int] = []
+    for part in spec.split(","):
+        found = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if found is None:
+            return None
+        counts += [int(found.group(1))] * int(found.group(2) or 1)
+    return counts[int(node)] if int(node) < len(counts) else None
 
 
 def _required_facts() -> tuple[int, int, int, int]:
@@ -64,6 +81,7 @@ def _required_facts() -> tuple[int, int, int, int]:
 
 class TorchEngine(Engine):
     """torch.distributed's process group; build it with `TorchEngine.start()`."""
+    name = "torch"
 
     def __init__(self, device: torch.device, facts: tuple[int, int, int, int]):
         self.rank, self.size, self.local_rank, self.local_size = facts
@@ -85,7 +103,8 @@ class TorchEngine(Engine):
         if "MASTER_ADDR" not in os.environ:
             if local_size != size:
                 raise UserError("--engine torch across hosts needs MASTER_ADDR and MASTER_PORT (rank 0's host and a "
-                                "free port) in every process's environment, e.g. mpirun -x MASTER_ADDR -x MASTER_PORT")
+                                "free port) in every process's environment, e.g. mpirun -x MASTER_ADDR -x MASTER_PORT "
+                                "(launch/slurm.sbatch sets them)")
             os.environ["MASTER_ADDR"] = "127.0.0.1"  # dist: every rank on this host
         os.environ.setdefault("MASTER_PORT", str(_port_for_job()))
         backend = "nccl" if device.type == "cuda" else "gloo"

@@ -1,0 +1,66 @@
+"""The torch.distributed engine's own pieces: rank facts from each launcher, gradient buckets, and an
+install with this engine alone (no MPI, no Horovod)."""
+
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, launch_env
+from hvdtrain.engine.torch_distributed import FIRST_BUCKET_BYTES, _buckets, launcher_facts
+
+SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "2(x2),1"}
+
+
+@pytest.mark.parametrize("node, local_size", [("0", 2), ("1", 2), ("2", 1)])
+def test_srun_without_ntasks_per_node_gives_each_node_its_own_task_count(node, local_size, monkeypatch):
+    for name in [*os.environ]:
+        if name.startswith(("SLURM_", "OMPI_")) or name in ("RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(name)
+    for name, value in {**SLURM, "SLURM_NODEID": node}.items():
+        monkeypatch.setenv(name, value)
+    assert launcher_facts() == (3, 5, 0, local_size)
+
+
+def test_torchrun_s_variables_come_first(monkeypatch):
+    for name, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", **SLURM}.items():
+        monkeypatch.setenv(name, value)
+    assert launcher_facts() == (1, 4, 1, 2)
+
+
+def test_buckets_follow_backward_order_and_start_small():
+    """Reversed registration order; the first bucket closes after 1 MB so communication starts early."""
+    sizes = [10, 400_000, 300_000, 5, 2_000_000]  # float32 elements
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes][::-1]
+    buckets = _buckets(params)
+    assert [[p.numel() for p in bucket] for bucket in buckets] == [[2_000_000], [5, 300_000, 400_000, 10]]
+    assert buckets[0][0].numel() * 4 >= FIRST_BUCKET_BYTES
+    half = [torch.nn.Parameter(torch.zeros(8, dtype=torch.float16)), torch.nn.Parameter(torch.zeros(8))]
+    assert [len(b) for b in _buckets(half)] == [1, 1]  # one dtype per bucket
+
+
+@pytest.mark.system
+@pytest.mark.timeout(600)
+def test_install_for_the_torch_engine_alone_trains_under_torchrun(tmp_path):
+    """launch/install.sh --engine torch into a new environment: no Horovod, no mpi4py, and torchrun trains."""
+    venv = tmp_path / "venv"
+    started = time.monotonic()
+    env = {name: value for name, value in launch_env().items() if name != "PYTHONPATH"}
+    done = subprocess.run(["bash", str(ROOT / "launch" / "install.sh"), "--engine", "torch", "--venv", str(venv)],
+                          env=env, capture_output=True, text=True, timeout=540)
+    seconds = time.monotonic() - started
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "torch.distributed engine only (no Horovod)" in done.stdout and "building Horovod" not in done.stdout
+    python = str(venv / "bin" / "python")
+    absent = subprocess.run([python, "-c", "import horovod"], capture_output=True, text=True)
+    assert absent.returncode != 0 and not (venv / "bin" / "horovodrun").exists()
+    env["PATH"] = f"{venv / 'bin'}:{env['PATH']}"
+    fit = subprocess.run([str(venv / "bin" / "torchrun"), "--nproc-per-node", "2", "hvdtrain", "fit", "--epochs", "1",
+                          "--progress", "off", "--run-dir", str(tmp_path / "run")],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert fit.returncode == 0, fit.stdout[-2000:] + fit.stderr[-3000:]
+    assert "controller gloo" in fit.stderr and (tmp_path / "run" / "summary.json").exists()
+    print(f"install.sh --engine torch: {seconds:.0f} s")
