@@ -45,10 +45,17 @@ def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_
     horovod_dir, _ = digits_np2
     if launcher == "torchrun":  # --engine auto picks torch; the shared run
         run_dir, done = request.getfixturevalue("digits_torchrun")
-    else:
+    else:  # ranks meet at a tcp:// address, as init_process_group(init_method="tcp://...") in a tutorial
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
         run_dir = tmp_path / "run"
-        done = fit_under(launcher, "--epochs", "3", "--log-every", "4", "--run-dir", str(run_dir), "--engine", "torch",
-                         cwd=tmp_path)
+        done = run([*LAUNCHERS[launcher], "-x", f"HVDTRAIN_INIT_METHOD=tcp://127.0.0.1:{port}", "hvdtrain", "fit",
+                    "--progress", "off", "--epochs", "3", "--log-every", "4", "--run-dir", str(run_dir),
+                    "--engine", "torch"], cwd=tmp_path)
+        assert done.stderr.count(f"rendezvous tcp://127.0.0.1:{port}") == 2, done.stderr[-3000:]  # each rank's start line
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["controller"] == "gloo"

@@ -8,7 +8,8 @@
 
 No MPI and no Horovod: Gloo on CPUs, NCCL on GPUs, both from PyTorch's own wheels. The
 rendezvous is `MASTER_ADDR`/`MASTER_PORT` (torchrun sets them; on one host they default
-to 127.0.0.1 and a port derived from the launcher's job id).
+to 127.0.0.1 and a port derived from the launcher's job id), or the `tcp://HOST:PORT` in
+`HVDTRAIN_INIT_METHOD`.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class TorchEngine(Engine):
         self.activity = Activity()
         self._gradients: _OverlappedAverage | None = None
         self._watchdog: StallWatchdog | None = None
+        self.rendezvous = "env://"
 
     @staticmethod
     def local_facts() -> tuple[int, int]:
@@ -100,24 +102,23 @@ class TorchEngine(Engine):
     def start(cls, device: torch.device, stall_timeout: int = 300) -> "TorchEngine":
         facts = _required_facts()
         rank, size, local_rank, local_size = facts
-        if "MASTER_ADDR" not in os.environ:
-            if local_size != size:
-                raise UserError("--engine torch across hosts needs MASTER_ADDR and MASTER_PORT (rank 0's host and a "
-                                "free port) in every process's environment, e.g. mpirun -x MASTER_ADDR -x MASTER_PORT "
-                                "(launch/slurm.sbatch sets them)")
-            os.environ["MASTER_ADDR"] = "127.0.0.1"  # dist: every rank on this host
-        os.environ.setdefault("MASTER_PORT", str(_port_for_job()))
+        init_method = _init_method(local_size == size)
         backend = "nccl" if device.type == "cuda" else "gloo"
         # The process group's own timeout is a last resort: the stall watchdog reports first, naming ranks.
         timeout = datetime.timedelta(seconds=stall_timeout + 60 if stall_timeout > 0 else 1800)
-        store, _, _ = next(dist.rendezvous("env://", rank, size, timeout=timeout))
+        store, _, _ = next(dist.rendezvous(init_method, rank, size, timeout=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
         engine = cls(device, facts)
+        engine.rendezvous = (f"{init_method}{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+                             if init_method == "env://" else init_method)
         if stall_timeout > 0:
             # dist: a collective that some rank never joins ends the job with a line naming that rank.
             engine._watchdog = StallWatchdog(engine.activity, _StoreBoard(store), stall_timeout,
                                              rank=lambda: engine.rank, size=lambda: engine.size).start()
         return engine
+
+    def describe(self) -> str:
+        return f"{super().describe()} rendezvous {self.rendezvous}"  # where the ranks met
 
     def at(self, where: str) -> None:
         self.activity.at(where)
@@ -267,6 +268,25 @@ def _buckets(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]
             last.append(param)
         size += param.numel() * param.element_size()
     return buckets
+
+
+def _init_method(one_host: bool) -> str:
+    """Where the ranks meet: HVDTRAIN_INIT_METHOD (tcp://HOST:PORT, as init_process_group's
+    init_method), else env:// (MASTER_ADDR and MASTER_PORT; on one host they default to
+    127.0.0.1 and a port derived from the launcher's job id)."""
+    method = os.environ.get("HVDTRAIN_INIT_METHOD", "env://")
+    if not method.startswith(("tcp://", "env://", "file://")):
+        raise UserError(f"HVDTRAIN_INIT_METHOD must be tcp://HOST:PORT (rank 0's host and a free port), env:// "
+                        f"or file://PATH, got '{method}'")
+    if method == "env://" and "MASTER_ADDR" not in os.environ:
+        if not one_host:
+            raise UserError("--engine torch across hosts needs MASTER_ADDR and MASTER_PORT (rank 0's host and a "
+                            "free port) in every process's environment, e.g. mpirun -x MASTER_ADDR -x MASTER_PORT "
+                            "(launch/slurm.sbatch sets them), or HVDTRAIN_INIT_METHOD=tcp://HOST:PORT")
+        os.environ["MASTER_ADDR"] = "127.0.0.1"  # dist: every rank on this host
+    if method == "env://":
+        os.environ.setdefault("MASTER_PORT", str(_port_for_job()))
+    return method
 
 
 def _port_for_job() -> int:
