@@ -6,7 +6,7 @@
 #   launch/install.sh [--venv DIR] [--extras test,bench] [--gpu] [--engine all|torch]
 #
 # --engine torch installs only what the torch.distributed engine needs (torchrun, Gloo
-# and NCCL come with torch's wheel): no MPI, no Horovod build, seconds instead of minutes.
+# and NCCL come with torch's wheel): no MPI, no Horovod build, nothing to compile.
 #
 # Environment: PYTHON (interpreter for the venv), TORCH_SPEC (default torch==2.13.0),
 # HVDTRAIN_CACHE (wheel cache, default ~/.cache/hvdtrain).
