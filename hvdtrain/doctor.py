@@ -92,9 +92,13 @@ def report(rank: int, local_rank: int, size: int, local_size: int, launched: boo
 ENGINES = ("horovod", "torch")
 
 
+def _wants_gpu(facts: dict[str, Any], device: str) -> bool:
+    return device == "cuda" or (device == "auto" and facts["gpus"]["count"] > 0)
+
+
 def engine_problems(facts: dict[str, Any], device: str) -> dict[str, list[str]]:
     """What would stop a launch with each engine, each with its fix."""
-    wants_gpu = device == "cuda" or (device == "auto" and facts["gpus"]["count"] > 0)
+    wants_gpu = _wants_gpu(facts, device)
     horovod, found = facts["horovod"], {name: [] for name in ENGINES}
     if not horovod["installed"]:
         found["horovod"].append("Horovod does not import: run launch/install.sh (make demo does it)")
@@ -121,8 +125,7 @@ def problems(facts: dict[str, Any], device: str, engine: str = "auto") -> list[s
     """What would stop a launch, each with its fix: for the engine asked for, the one running this
     report, or (auto, alone) only when neither engine could run."""
     found = []
-    wants_gpu = device == "cuda" or (device == "auto" and facts["gpus"]["count"] > 0)
-    if wants_gpu and facts["local_size"] > facts["gpus"]["count"]:
+    if _wants_gpu(facts, device) and facts["local_size"] > facts["gpus"]["count"]:
         found.append(f"{facts['local_size']} local processes but {facts['gpus']['count']} visible GPU(s): "
                      "start one process per GPU, or use --device cpu")
     per_engine = engine_problems(facts, device)

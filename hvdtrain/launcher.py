@@ -48,7 +48,7 @@ def torchrun() -> None:
     # program only, and the program's arguments pass through untouched.
     args = parse_args(argv[:program + 1])
     args.training_script_args = argv[program + 1:]
-    if args.training_script == "hvdtrain" and not (args.no_python or args.module or os.path.exists("hvdtrain")):
+    if args.training_script == "hvdtrain" and not (args.no_python or args.module or os.path.isfile("hvdtrain")):
         args.module = True  # python -m hvdtrain: the same program as the `hvdtrain` command
     # torchrun logs each failed worker at ERROR before it raises; the line below says it once.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
