@@ -5,6 +5,7 @@ directory on a volume of the host."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -68,7 +69,9 @@ def test_horovodrun_across_two_containers_over_ssh(image, tmp_path):
     runs.mkdir(mode=0o777)
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / "id_ed25519")], check=True)
     (keys / "authorized_keys").write_bytes((keys / "id_ed25519.pub").read_bytes())
-    network = f"hvdtrain-test-{tmp_path.name}"[:60]
+    # Networks live outside the test's container store: a run stopped midway leaves its own behind.
+    network = f"hvdtrain-test-{os.getpid()}-{tmp_path.name}"[:60]
+    subprocess.run(["podman", "network", "rm", "-f", network], env=env, capture_output=True)
     subprocess.run(["podman", "network", "create", network], env=env, check=True, capture_output=True)
     workers = ["w1", "w2"]
     start_sshd = ("mkdir -p /root/.ssh && cp /keys/authorized_keys /keys/id_ed25519 /root/.ssh/ && "
