@@ -49,6 +49,14 @@ class Activity:
         finally:
             self.collective = None
 
+    def to_json(self) -> str:
+        """As published on a board."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Activity":
+        return cls(**json.loads(text))
+
     def describe(self) -> str:
         if self.collective is None:
             return f"computing at {self.where}"
@@ -69,14 +77,14 @@ class KeyValueBoard:
         return cls(address, port) if address and port else None
 
     def publish(self, rank: int, activity: Activity) -> None:
-        body = json.dumps(asdict(activity)).encode()
+        body = activity.to_json().encode()
         request = urllib.request.Request(f"{self.url}/{rank}", data=body, method="PUT")
         self._open(request, timeout=5).close()
 
     def read(self, rank: int) -> Activity | None:
         try:
             with self._open(f"{self.url}/{rank}", timeout=5) as response:
-                return Activity(**json.loads(response.read()))
+                return Activity.from_json(response.read())
         except OSError:  # never published, or the server is gone
             return None
 

@@ -15,9 +15,7 @@ to 127.0.0.1 and a port derived from the launcher's job id), or the `tcp://HOST:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
-import json
 import os
 import re
 from typing import Any
@@ -84,14 +82,14 @@ class TorchEngine(Engine):
     """torch.distributed's process group; build it with `TorchEngine.start()`."""
     name = "torch"
 
-    def __init__(self, device: torch.device, facts: tuple[int, int, int, int]):
+    def __init__(self, device: torch.device, facts: tuple[int, int, int, int], rendezvous: str):
         self.rank, self.size, self.local_rank, self.local_size = facts
         self.device = device
         self.controller = dist.get_backend()
         self.activity = Activity()
         self._gradients: _OverlappedAverage | None = None
         self._watchdog: StallWatchdog | None = None
-        self.rendezvous = "env://"
+        self.rendezvous = rendezvous  # where the ranks met, for the start line
 
     @staticmethod
     def local_facts() -> tuple[int, int]:
@@ -108,9 +106,8 @@ class TorchEngine(Engine):
         timeout = datetime.timedelta(seconds=stall_timeout + 60 if stall_timeout > 0 else 1800)
         store, _, _ = next(dist.rendezvous(init_method, rank, size, timeout=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-        engine = cls(device, facts)
-        engine.rendezvous = (f"{init_method}{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-                             if init_method == "env://" else init_method)
+        engine = cls(device, facts, f"{init_method}{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+                                    if init_method == "env://" else init_method)
         if stall_timeout > 0:
             # dist: a collective that some rank never joins ends the job with a line naming that rank.
             engine._watchdog = StallWatchdog(engine.activity, _StoreBoard(store), stall_timeout,
@@ -118,7 +115,7 @@ class TorchEngine(Engine):
         return engine
 
     def describe(self) -> str:
-        return f"{super().describe()} rendezvous {self.rendezvous}"  # where the ranks met
+        return f"{super().describe()} rendezvous {self.rendezvous}"
 
     def at(self, where: str) -> None:
         self.activity.at(where)
@@ -186,13 +183,13 @@ class _StoreBoard:
         self.store = dist.PrefixStore("hvdtrain-activity/", store)
 
     def publish(self, rank: int, activity: Activity) -> None:
-        self.store.set(str(rank), json.dumps(dataclasses.asdict(activity)))
+        self.store.set(str(rank), activity.to_json())
 
     def read(self, rank: int) -> Activity | None:
         try:
             if not self.store.check([str(rank)]):  # never published: get would wait for it
                 return None
-            return Activity(**json.loads(self.store.get(str(rank))))
+            return Activity.from_json(self.store.get(str(rank)))
         except RuntimeError:  # the store is gone (rank 0's host hosts it)
             return None
 
