@@ -32,7 +32,7 @@ def ssh_hosts(tmp_path_factory):
         yield port, key
 
 
-def start_elastic(ssh_hosts, hostfile: Path, run_dir: Path) -> subprocess.Popen:
+def start_elastic(ssh_hosts, hostfile: Path, run_dir: Path, **env_vars: str) -> subprocess.Popen:
     port, key = ssh_hosts
     command = [
         "horovodrun", "--gloo", "-np", "3", "--min-np", "2", "--max-np", "3",
@@ -42,7 +42,7 @@ def start_elastic(ssh_hosts, hostfile: Path, run_dir: Path) -> subprocess.Popen:
         "hvdtrain", "fit", "--elastic", "--model", "user_code:paced_mlp", "--epochs", str(EPOCHS),
         "--threads", "1", "--progress", "off", "--set", "train.commit_every=2", "--run-dir", str(run_dir),
     ]
-    env = {**launch_env(), "HOSTFILE": str(hostfile)}
+    env = {**launch_env(), "HOSTFILE": str(hostfile), **env_vars}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -101,9 +101,13 @@ def test_a_lost_worker_is_survived_and_a_new_one_joins(ssh_hosts, tmp_path):
 
     write_hosts(hostfile, FIRST_HOSTS)
     run_dir = tmp_path / "disturbed"
-    job = start_elastic(ssh_hosts, hostfile, run_dir)
-    wait_for(lambda: len(records(run_dir)) >= 3, 120, "epoch 3")
-    time.sleep(0.25)  # into epoch 4 (7 steps of at least 50 ms), past its first commit (after step 2)
+    # The worker on the host to lose stops in epoch 4's fourth step (7 steps per epoch), so the
+    # last commit before it is lost is the one after step 2: inside the epoch, not at its start.
+    held = tmp_path / "held"
+    job = start_elastic(ssh_hosts, hostfile, run_dir, HVDTRAIN_TEST_HOLD=f"{LOST_HOST}:{3 * 7 + 4}",
+                        HVDTRAIN_TEST_HOLD_FILE=str(held))
+    wait_for(held.exists, 120, "the worker to lose to reach epoch 4, step 4")
+    assert len(records(run_dir)) == 3
     os.kill(worker_on(LOST_HOST), signal.SIGKILL)
     wait_for(lambda: any(r["world_size"] == 2 for r in records(run_dir)), 120, "an epoch with 2 workers")
     write_hosts(hostfile, (*FIRST_HOSTS, NEW_HOST))  # a new slot: a worker starts there and joins
@@ -119,7 +123,7 @@ def test_a_lost_worker_is_survived_and_a_new_one_joins(ssh_hosts, tmp_path):
     # Rolled back to a commit inside epoch 4, not to its start.
     assert "elastic: 2 processes now (were 3); going on from epoch 4, sample " in out
     resumed_at = int(out.split("going on from epoch 4, sample ")[1].split()[0])
-    assert resumed_at > 0, out
+    assert resumed_at == 2 * 3 * 64, out  # 2 steps of the global batch of 3 x 64
     assert "elastic: 3 processes now (were 2)" in out
     final, reference = disturbed[-1]["val_acc"], calm[-1]["val_acc"]
     print(f"world sizes {sizes}; resumed at sample {resumed_at}; val_acc {final:.4f} against {reference:.4f}")

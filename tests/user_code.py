@@ -95,16 +95,33 @@ def nan_on_rank_one(input_shape, num_classes):
 
 
 class _Paced(nn.Module):
-    """Waits a little in each training forward pass, as a larger model would compute."""
+    """Waits a little in each training forward pass, as a larger model would compute.
+
+    With HVDTRAIN_TEST_HOLD=HOST:N in its environment, the worker on that host (Horovod's
+    HOROVOD_HOSTNAME) stops in its Nth training forward pass until it is killed, after
+    creating the file HVDTRAIN_TEST_HOLD_FILE: a test can then kill it at a known step
+    instead of guessing from the clock.
+    """
 
     def __init__(self, inner: nn.Module, seconds: float):
+        import os
+
         super().__init__()
-        self.inner, self.seconds = inner, seconds
+        self.inner, self.seconds, self.forwards = inner, seconds, 0
+        host, _, count = os.environ.get("HVDTRAIN_TEST_HOLD", "").partition(":")
+        held_here = host and host == os.environ.get("HOROVOD_HOSTNAME")
+        self.hold_at = int(count) if held_here else None
 
     def forward(self, x):
         if self.training:
+            import os
             import time
 
+            self.forwards += 1
+            if self.forwards == self.hold_at:
+                open(os.environ["HVDTRAIN_TEST_HOLD_FILE"], "w").close()
+                while True:
+                    time.sleep(1)
             time.sleep(self.seconds)
         return self.inner(x)
 
