@@ -27,5 +27,8 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size, momentum=0.9)
 rate = timed_epochs(model, optimizer, loader, epochs, len(loader) * BATCH * size, sampler)
 if rank == 0:
     print(json.dumps({"samples_per_s": rate}), flush=True)
-dist.barrier()  # both ranks done before teardown; without it Gloo's teardown sometimes aborts a rank
+# Teardown in order: both ranks done, then DDP's reducer (it holds the process group) freed,
+# so the group is destroyed here and not during interpreter exit, where Gloo can abort a rank.
+dist.barrier()
+del model, optimizer
 dist.destroy_process_group()
