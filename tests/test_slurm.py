@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,10 +30,9 @@ def cluster(tmp_path_factory):
         yield root, {**launch_env(), "SLURM_CONF": env["SLURM_CONF"], "PATH": f"/usr/sbin:{launch_env()['PATH']}"}
 
 
-def _submit(env: dict, root: Path, *args: str) -> str:
-    done = subprocess.run(["sbatch", "--parsable", *CPU_JOB, f"--output={root}/job-%j.log",
-                           str(ROOT / "launch" / "slurm.sbatch"), "--progress", "off", *args],
-                          env=env, cwd=root, capture_output=True, text=True, timeout=30)
+def _submit(env: dict, root: Path, *args: str, script: Path = ROOT / "launch" / "slurm.sbatch") -> str:
+    done = subprocess.run(["sbatch", "--parsable", *CPU_JOB, f"--output={root}/job-%j.log", str(script),
+                           "--progress", "off", *args], env=env, cwd=root, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().split(";")[0]
 
@@ -81,6 +81,40 @@ def test_sbatch_runs_the_torch_engine_through_srun(cluster):
     assert "hvdtrain: rank 0/2 local_rank 0/2" in log and "hvdtrain: rank 1/2 local_rank 1/2" in log
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["engine"] == "torch" and summary["controller"] == "gloo"
+
+
+def test_plain_srun_without_an_mpi_plugin_is_one_run_of_two_tasks(cluster):
+    """`srun -n 2 hvdtrain fit` as users type it in a batch script: no --mpi, so no MPI rank
+    variables. The torch engine takes Slurm's own (one run of 2 tasks, not 2 runs of 1 in one
+    directory); asking for the Horovod engine there is one line that says what to add."""
+    root, env = cluster
+    run_dir = root / "plain-srun"
+    script = root / "plain-srun.sh"
+    script.write_text('#!/bin/bash\n'
+                      f'srun -n 2 hvdtrain fit --engine horovod --run-dir {root / "never"} "$@" || echo "refused: $?"\n'
+                      f'srun -n 2 hvdtrain fit --epochs 2 --threads 1 --run-dir {run_dir} "$@"\n')
+    job = _submit(env, root, script=script)
+    log = (root / f"job-{job}.log").read_text() if _wait(env, job) == "COMPLETED" else ""
+    assert "hvdtrain: rank 0/2 local_rank 0/2" in log and "hvdtrain: rank 1/2 local_rank 1/2" in log, \
+        (root / f"job-{job}.log").read_text()[-3000:]
+    assert log.count("epoch 2/2") == 1  # rank 0 alone prints
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["engine"] == "torch" and summary["controller"] == "gloo"
+    errors = [line for line in log.splitlines() if "hvdtrain: error:" in line]
+    assert len(errors) == 1 and "srun started 2 tasks without an MPI plugin" in errors[0], log[-3000:]
+    assert "refused: 2" in log and "Traceback" not in log and not (root / "never").exists()
+
+
+def test_the_torch_engine_across_nodes_meets_on_the_step_s_first_node(cluster):
+    """Without MASTER_ADDR, srun's tasks on several nodes meet on the first node of the step's
+    compressed node list, as Slurm's own scontrol expands it."""
+    _, env = cluster
+    env = {key: value for key, value in env.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update(SLURM_STEP_NODELIST="node[07-09],gpu1", SLURM_JOB_ID="41")
+    done = subprocess.run([sys.executable, "-c", "import os; from hvdtrain.engine.torch_distributed import "
+                           "_init_method; print(_init_method(one_host=False), os.environ['MASTER_ADDR'], "
+                           "os.environ['MASTER_PORT'])"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["env://", "node07", str(29500 + 41)], done.stderr[-2000:]
 
 
 def test_scancel_ends_every_task_and_resume_finishes(cluster):

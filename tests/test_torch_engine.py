@@ -31,6 +31,25 @@ def test_torchrun_s_variables_come_first(monkeypatch):
     assert launcher_facts() == (1, 4, 1, 2)
 
 
+@pytest.mark.parametrize("variables, rank", [
+    ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2"}, 2),  # plain srun: Slurm's own task number
+    ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2", "PMIX_RANK": "2"}, 2),  # srun --mpi=pmix
+    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "0"}, None),  # the batch script itself, no step
+    ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}, None),  # a step of one task
+], ids=["plain-srun", "srun-pmix", "batch-script", "one-task"])
+def test_the_rank_before_any_engine_under_slurm(variables, rank, monkeypatch):
+    from hvdtrain.engine import _plain_srun_rank, launcher_rank
+
+    for name in [*os.environ]:
+        if name.startswith(("SLURM_", "OMPI_", "PMI", "HOROVOD_", "TORCHELASTIC_")):
+            monkeypatch.delenv(name)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert launcher_rank() == rank
+    # dist: only where no MPI plugin set a rank does the torch engine take Slurm's
+    assert (_plain_srun_rank() is not None) == (rank is not None and "PMIX_RANK" not in variables)
+
+
 def test_buckets_follow_backward_order_and_start_small():
     """Reversed registration order; the first bucket closes after 1 MB so communication starts early."""
     sizes = [10, 400_000, 300_000, 5, 2_000_000]  # float32 elements

@@ -34,6 +34,12 @@ def launcher_rank() -> int | None:
             pass
     if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:  # torchrun
         return int(os.environ["RANK"])
+    mpi = _mpi_rank()
+    return mpi if mpi is not None else _plain_srun_rank()
+
+
+def _mpi_rank() -> int | None:
+    """The rank that horovodrun, mpirun or an MPI plugin of srun (PMI, PMIx) set."""
     for name in _RANK_VARIABLES:
         if name in os.environ:
             try:
@@ -41,6 +47,16 @@ def launcher_rank() -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def _plain_srun_rank() -> int | None:
+    """Slurm's task number in an srun step of several tasks that no MPI plugin set up
+    (`srun -n 4 hvdtrain fit`). Not in a batch script itself: it has SLURM_PROCID but no step."""
+    try:
+        tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "0"))
+        return int(os.environ["SLURM_PROCID"]) if tasks > 1 and _mpi_rank() is None else None
+    except (KeyError, ValueError):
+        return None
 
 
 def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, stall_timeout: int = 300,
@@ -55,8 +71,13 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
         host_memory.keep_freed_memory()
     from hvdtrain.engine.torch_distributed import TorchEngine, torchrun_launched
 
-    if kind == "torch" or (kind == "auto" and torchrun_launched()):
+    plain_srun = _plain_srun_rank() is not None
+    # dist: Slurm's own variables are all that plain srun gives; the torch engine reads them.
+    if kind == "torch" or (kind == "auto" and (torchrun_launched() or plain_srun)):
         return _start(TorchEngine, device, threads, stall_timeout)
+    if kind == "horovod" and plain_srun:
+        raise UserError(f"srun started {os.environ['SLURM_STEP_NUM_TASKS']} tasks without an MPI plugin, which the "
+                        "Horovod engine needs: srun --mpi=pmix (as launch/slurm.sbatch does), or --engine torch")
     if kind == "horovod" or (kind == "auto" and launcher_rank() is not None):
         from hvdtrain.engine.horovod import HorovodEngine  # imports horovod.torch
 
