@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import os
 import re
 import subprocess
@@ -277,8 +276,10 @@ def _init_method(one_host: bool) -> str:
     if not method.startswith(("tcp://", "env://", "file://")):
         raise UserError(f"HVDTRAIN_INIT_METHOD must be tcp://HOST:PORT (rank 0's host and a free port), env:// "
                         f"or file://PATH, got '{method}'")
-    if method == "env://" and "MASTER_ADDR" not in os.environ and not one_host and _slurm_first_node():
-        os.environ["MASTER_ADDR"] = _slurm_first_node()  # dist: rank 0 runs on the step's first node
+    if method == "env://" and "MASTER_ADDR" not in os.environ and not one_host:
+        first_node = _slurm_first_node()
+        if first_node:
+            os.environ["MASTER_ADDR"] = first_node  # dist: rank 0 runs on the step's first node
     if method == "env://" and "MASTER_ADDR" not in os.environ:
         if not one_host:
             raise UserError("--engine torch across hosts needs MASTER_ADDR and MASTER_PORT (rank 0's host and a "
@@ -290,7 +291,6 @@ def _init_method(one_host: bool) -> str:
     return method
 
 
-@functools.cache
 def _slurm_first_node() -> str | None:
     """The first node of this Slurm step (where its task 0 runs), as `scontrol show hostnames` expands
     the compressed list ("node[01-04]"); None outside a step or without scontrol."""
