@@ -43,7 +43,7 @@ PAIRS = {CEILING}
 
 def host_settings() -> dict[str, str]:
     """What hvdtrain sets in each process, as environment variables for a script that does not."""
-    from hvdtrain import host_memory
+    from hvdtrain.engine import host_memory
     from hvdtrain.engine.horovod import MPI_SETTINGS
 
     return {**MPI_SETTINGS, **host_memory.AS_ENVIRONMENT}

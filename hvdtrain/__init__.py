@@ -2,7 +2,7 @@
 
     horovodrun -np 4 hvdtrain fit --config run.yaml
 
-Use from Python with `hvdtrain.fit(config, engine)`; see README.md.
+Use from Python with `hvdtrain.train.fit.fit(config, engine)`; see README.md.
 """
 
 from hvdtrain.config import Config

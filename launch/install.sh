@@ -148,14 +148,14 @@ fi
 
 # Horovod's Gloo launcher and torchrun print a traceback and a report of their own
 # whenever a worker exits non-zero; these entries run the same launchers and report
-# that in one line (hvdtrain/launcher.py).
+# that in one line (hvdtrain/cli/launchers.py).
 bin_dir=$(dirname "$py")
 launchers=(torchrun)
 [ "$engine" = all ] && launchers+=(horovodrun)
 for launcher in "${launchers[@]}"; do
   cat >"$bin_dir/$launcher" <<SH
 #!$py
-from hvdtrain.launcher import $launcher
+from hvdtrain.cli.launchers import $launcher
 if __name__ == "__main__":  # Horovod's runner spawns processes that re-import this file
     $launcher()
 SH

@@ -126,7 +126,7 @@ def test_export_under_horovodrun_loads_back_and_matches(trained, tmp_path):
     assert "differ from the checkpoint's model by at most" in out
     program = torch.export.load(str(tmp_path / "m.pt2")).module()
     from hvdtrain.engine import LocalEngine
-    from hvdtrain.saved_run import open_run
+    from hvdtrain.after.saved_run import open_run
 
     saved = open_run(LocalEngine(torch.device("cpu")), trained)
     images = torch.randn(7, 1, 8, 8)  # another batch size than the export's
@@ -241,7 +241,7 @@ def test_plan_under_horovodrun_is_what_fit_does(tmp_path):
     assert plan["steps_per_epoch"] == 1438 // 200 and plan["dropped_per_epoch"] == 1438 - 7 * 200
     assert plan["lr"]["peak"] == pytest.approx(0.1) and plan["lr"]["first_step"] == pytest.approx(0.05)
     # The first global batch is the one fit's sampler gives each rank in epoch 1.
-    from hvdtrain.sampler import ShardedBatchSampler
+    from hvdtrain.data.sampler import ShardedBatchSampler
 
     for rank in (0, 1):
         sampler = ShardedBatchSampler(1438, 100, rank, 2, seed=0)

@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from conftest import LAUNCHERS, ROOT, requires_launchers, run
-from hvdtrain.bench.allreduce import sizes
-from hvdtrain.bench.stats import mean_ci95
+from hvdtrain.tools.bench.allreduce import sizes
+from hvdtrain.tools.bench.stats import mean_ci95
 
 
 def test_sizes_sweep_by_four():
@@ -22,7 +22,7 @@ def test_mean_ci95():
 def test_bench_sampler_reports_both_samplers(tmp_path):
     done = run(["hvdtrain", "bench", "sampler", "--size", "100000", "--world-size", "4", "--json", str(tmp_path / "s.json")])
     assert done.returncode == 0, done.stderr
-    assert "hvdtrain.sampler.ShardedBatchSampler" in done.stdout and "torch.utils.data.DistributedSampler" in done.stdout
+    assert "hvdtrain.data.sampler.ShardedBatchSampler" in done.stdout and "torch.utils.data.DistributedSampler" in done.stdout
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert [r["sampler"] for r in rows] == ["hvdtrain", "torch"]
     assert all(r["first_index_ms"] >= 0 and "extra_peak_MB" in r for r in rows)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, launch_env
-from hvdtrain.checkpoint import CheckpointStore, sha256_of
+from hvdtrain.io.checkpoint import CheckpointStore, sha256_of
 from hvdtrain.cli import main
 
 

@@ -3,10 +3,11 @@ import pytest
 import torch
 
 from hvdtrain.config import DataConfig, ModelConfig
-from hvdtrain.data import batches, build_data
+from hvdtrain.data.loading import batches
+from hvdtrain.data.sources import build_data
 from hvdtrain.errors import UserError
 from hvdtrain.models import build_model
-from hvdtrain.sampler import ShardedBatchSampler
+from hvdtrain.data.sampler import ShardedBatchSampler
 
 
 def test_digits_is_built_in_and_standardised():

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import LAUNCHERS, launch_env, requires_launchers, run
-from hvdtrain.doctor import problems, report
+from hvdtrain.tools.doctor import problems, report
 
 
 @requires_launchers

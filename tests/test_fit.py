@@ -117,7 +117,7 @@ def test_training_steps_reuse_freed_host_memory_instead_of_faulting_it_back(tmp_
 
 
 def test_host_memory_setting_takes_effect_and_yields_to_the_users_own(monkeypatch):
-    from hvdtrain import host_memory
+    from hvdtrain.engine import host_memory
 
     assert host_memory.keep_freed_memory() == (platform.libc_ver()[0] == "glibc")
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1048576")

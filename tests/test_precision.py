@@ -11,8 +11,8 @@ from hvdtrain.cli import main
 from hvdtrain.config import Config
 from hvdtrain.engine import LocalEngine, _pick_device
 from hvdtrain.errors import UserError
-from hvdtrain.loop import apply_gradients
-from hvdtrain.precision import Precision
+from hvdtrain.train.loop import apply_gradients
+from hvdtrain.train.precision import Precision
 
 CPU = torch.device("cpu")
 

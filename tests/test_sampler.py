@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from hvdtrain.sampler import EvalShardSampler, FeistelPermutation, ShardedBatchSampler
+from hvdtrain.data.sampler import EvalShardSampler, FeistelPermutation, ShardedBatchSampler
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 65, 1000, 4097])

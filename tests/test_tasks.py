@@ -9,14 +9,14 @@ import torch
 from sklearn.metrics import accuracy_score, f1_score, mean_absolute_error, mean_squared_error, r2_score
 from torch import nn
 
-from hvdtrain.batch import batch_size, call_model, split_batch, to_device
+from hvdtrain.data.batch import batch_size, call_model, split_batch, to_device
 from hvdtrain.cli import main
 from hvdtrain.config import TaskConfig
-from hvdtrain.data import pad_collate
+from hvdtrain.data.loading import pad_collate
 from hvdtrain.errors import UserError
-from hvdtrain.metrics import MetricSums
+from hvdtrain.train.metrics import MetricSums
 from hvdtrain.engine import LocalEngine
-from hvdtrain.precision import Precision
+from hvdtrain.train.precision import Precision
 from hvdtrain.tasks import build_task
 from hvdtrain.tasks.check import best_metric, check_first_batch
 
@@ -285,7 +285,7 @@ def test_best_metric_must_exist_and_have_a_direction():
 
 
 def test_a_rank_without_validation_batches_still_reduces_the_same_tensors():
-    from hvdtrain.loop import evaluate
+    from hvdtrain.train.loop import evaluate
 
     task = build_task(TaskConfig())
     first = _check(TaskConfig(), nn.Linear(4, 3), (torch.randn(8, 4), torch.zeros(8, dtype=torch.long)))

@@ -38,7 +38,8 @@ def test_torchrun_s_variables_come_first(monkeypatch):
     ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}, None),  # a step of one task
 ], ids=["plain-srun", "srun-pmix", "batch-script", "one-task"])
 def test_the_rank_before_any_engine_under_slurm(variables, rank, monkeypatch):
-    from hvdtrain.engine import _plain_srun_rank, launcher_rank
+    from hvdtrain.engine import launcher_rank
+    from hvdtrain.engine.environment import plain_srun_rank as _plain_srun_rank
 
     for name in [*os.environ]:
         if name.startswith(("SLURM_", "OMPI_", "PMI", "HOROVOD_", "TORCHELASTIC_")):

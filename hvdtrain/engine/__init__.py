@@ -1,4 +1,9 @@
-"""Choosing and starting an engine, and the rank facts known before it starts."""
+"""The distributed engines: choosing and starting one, and the rank facts known before it starts.
+
+`base` is the interface the loop speaks to; `local`, `horovod` (the only importer of horovod.torch) and
+`torch_distributed` (the only one to set up a process group) implement it; `environment` reads the
+launchers' variables, `watchdog` names stalled ranks. Imports only `errors` of hvdtrain.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,13 @@ from typing import Any
 
 import torch
 
-from hvdtrain import host_memory
+from hvdtrain.engine import host_memory
 from hvdtrain.engine.base import Engine, GradientSync, RankFailed
+from hvdtrain.engine.environment import available_cores, environment_rank, plain_srun_rank, torchrun_launched
 from hvdtrain.engine.local import LocalEngine
 from hvdtrain.errors import UserError
 
 __all__ = ["Engine", "GradientSync", "LocalEngine", "RankFailed", "available_cores", "launcher_rank", "start_engine"]
-
-# Rank variables set by the launchers we support, in the order we trust them.
-_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-
 
 _started: Engine | None = None  # the Horovod engine, once started
 
@@ -32,31 +34,7 @@ def launcher_rank() -> int | None:
             return _started.rank
         except ValueError:  # Horovod has shut down
             pass
-    if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:  # torchrun
-        return int(os.environ["RANK"])
-    mpi = _mpi_rank()
-    return mpi if mpi is not None else _plain_srun_rank()
-
-
-def _mpi_rank() -> int | None:
-    """The rank that horovodrun, mpirun or an MPI plugin of srun (PMI, PMIx) set."""
-    for name in _RANK_VARIABLES:
-        if name in os.environ:
-            try:
-                return int(os.environ[name])
-            except ValueError:
-                return None
-    return None
-
-
-def _plain_srun_rank() -> int | None:
-    """Slurm's task number in an srun step of several tasks that no MPI plugin set up
-    (`srun -n 4 hvdtrain fit`). Not in a batch script itself: it has SLURM_PROCID but no step."""
-    try:
-        tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "0"))
-        return int(os.environ["SLURM_PROCID"]) if tasks > 1 and _mpi_rank() is None else None
-    except (KeyError, ValueError):
-        return None
+    return environment_rank()
 
 
 def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, stall_timeout: int = 300,
@@ -69,9 +47,9 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
     """
     if keep_freed_memory:
         host_memory.keep_freed_memory()
-    from hvdtrain.engine.torch_distributed import TorchEngine, torchrun_launched
+    from hvdtrain.engine.torch_distributed import TorchEngine
 
-    plain_srun = _plain_srun_rank() is not None
+    plain_srun = plain_srun_rank() is not None
     # dist: Slurm's own variables are all that plain srun gives; the torch engine reads them.
     if kind == "torch" or (kind == "auto" and (torchrun_launched() or plain_srun)):
         return _start(TorchEngine, device, threads, stall_timeout)
@@ -95,11 +73,6 @@ def _start(engine_type: Any, device: str, threads: int, stall_timeout: int) -> E
     global _started
     _started = engine_type.start(engine_device, stall_timeout)
     return _started
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its CPU affinity, which launchers and containers narrow)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _threads_per_process(requested: int, local_size: int) -> int:

@@ -3,6 +3,8 @@
 The loop, the trainer and the metrics speak only to an `Engine`. `HorovodEngine` is
 the one module that imports `horovod.torch`; `LocalEngine` is one process whose
 collectives are identities, so everything above runs and is tested without Horovod.
+`WatchedEngine` is what the engines of several processes share: each collective tells
+the stall watchdog what it waits in.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import torch
 
+from hvdtrain.engine.watchdog import Activity, StallWatchdog
 from hvdtrain.errors import UserError
 
 T = TypeVar("T")
@@ -168,6 +171,75 @@ class Engine(ABC):
         differ from one call to the next.
         """
         raise NotImplementedError
+
+
+class WatchedEngine(Engine):
+    """An engine of several processes whose every collective records in `activity` what it waits in,
+    so that the stall watchdog can name the ranks missing from it. Subclasses implement the
+    collectives as the `_`-prefixed methods; each is wrapped here, once for every engine."""
+
+    activity: Activity
+    _watchdog: StallWatchdog | None = None
+
+    def at(self, where: str) -> None:
+        self.activity.at(where)
+
+    def synchronize(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self._updates_in_step():
+            return False
+        with self.activity.waiting("the gradient allreduce"):
+            self._synchronize(optimizer)
+        return True
+
+    def _updates_in_step(self) -> bool:
+        """Whether the optimizer combines parameter updates inside `step` (Adasum): no gradient allreduce."""
+        return False
+
+    def broadcast_parameters(self, model: torch.nn.Module) -> None:
+        with self.activity.waiting("broadcast of the parameters"):
+            self._broadcast_parameters(model)
+
+    def broadcast_object(self, obj: Any, name: str) -> Any:
+        with self.activity.waiting(f"broadcast '{name}'"):
+            return self._broadcast_object(obj, name)
+
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        with self.activity.waiting(f"allgather '{name}'"):
+            return self._allgather_object(obj, name)
+
+    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        with self.activity.waiting(f"allreduce '{name}'"):
+            return self._allreduce_sum(tensor, name)
+
+    def barrier(self) -> None:
+        with self.activity.waiting("barrier"):
+            self._barrier()
+
+    def shutdown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._shutdown()
+
+    @abstractmethod
+    def _synchronize(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    @abstractmethod
+    def _broadcast_parameters(self, model: torch.nn.Module) -> None: ...
+
+    @abstractmethod
+    def _broadcast_object(self, obj: Any, name: str) -> Any: ...
+
+    @abstractmethod
+    def _allgather_object(self, obj: Any, name: str) -> list[Any]: ...
+
+    @abstractmethod
+    def _allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _barrier(self) -> None: ...
+
+    @abstractmethod
+    def _shutdown(self) -> None: ...
 
 
 class ElasticState(Protocol):

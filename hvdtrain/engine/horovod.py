@@ -10,9 +10,9 @@ from typing import Any, Callable
 
 import torch
 
-from hvdtrain.engine.base import ElasticState, Engine, GradientSync, T
+from hvdtrain.engine.base import ElasticState, GradientSync, T, WatchedEngine
 from hvdtrain.errors import UserError
-from hvdtrain.watchdog import Activity, KeyValueBoard, StallWatchdog
+from hvdtrain.engine.watchdog import Activity, KeyValueBoard, StallWatchdog
 
 try:
     import horovod.torch as hvd
@@ -44,7 +44,7 @@ def is_collective_failure(err: BaseException) -> bool:
     return HorovodInternalError is not None and isinstance(err, HorovodInternalError)
 
 
-class HorovodEngine(Engine):
+class HorovodEngine(WatchedEngine):
     """Wraps an initialised Horovod; build it with `HorovodEngine.start()`."""
     name = "horovod"
 
@@ -98,9 +98,6 @@ class HorovodEngine(Engine):
                                              rank=hvd.rank, size=hvd.size).start()
         return engine
 
-    def at(self, where: str) -> None:
-        self.activity.at(where)
-
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                        sync: GradientSync) -> torch.optim.Optimizer:
         if sync.adasum and not hvd.mpi_enabled():
@@ -115,12 +112,11 @@ class HorovodEngine(Engine):
             op=hvd.Adasum if sync.adasum else hvd.Average,
         )
 
-    def synchronize(self, optimizer: torch.optim.Optimizer) -> bool:
-        if self._adasum:  # Horovod's Adasum optimizer combines parameter deltas inside step()
-            return False
-        with self.activity.waiting("the gradient allreduce"):
-            optimizer.synchronize()
-        return True
+    def _updates_in_step(self) -> bool:
+        return self._adasum  # Horovod's Adasum optimizer combines parameter deltas inside step()
+
+    def _synchronize(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.synchronize()
 
     def is_engine_signal(self, err: BaseException) -> bool:
         return is_collective_failure(err) or isinstance(err, HostsUpdatedInterrupt)
@@ -128,21 +124,17 @@ class HorovodEngine(Engine):
     def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
         return optimizer.skip_synchronize()
 
-    def broadcast_parameters(self, model: torch.nn.Module) -> None:
-        with self.activity.waiting("broadcast of the parameters"):
-            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    def _broadcast_parameters(self, model: torch.nn.Module) -> None:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
-    def broadcast_object(self, obj: Any, name: str) -> Any:
-        with self.activity.waiting(f"broadcast '{name}'"):
-            return hvd.broadcast_object(obj, root_rank=0, name=name)
+    def _broadcast_object(self, obj: Any, name: str) -> Any:
+        return hvd.broadcast_object(obj, root_rank=0, name=name)
 
-    def allgather_object(self, obj: Any, name: str) -> list[Any]:
-        with self.activity.waiting(f"allgather '{name}'"):
-            return hvd.allgather_object(obj, name=name)
+    def _allgather_object(self, obj: Any, name: str) -> list[Any]:
+        return hvd.allgather_object(obj, name=name)
 
-    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        with self.activity.waiting(f"allreduce '{name}'"):
-            return hvd.allreduce(tensor, name=name, op=hvd.Sum)
+    def _allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return hvd.allreduce(tensor, name=name, op=hvd.Sum)
 
     def require_elastic(self) -> None:
         if os.environ.get("HOROVOD_ELASTIC") != "1":  # set by horovodrun's elastic driver
@@ -164,13 +156,10 @@ class HorovodEngine(Engine):
     def stop_timeline(self) -> None:
         hvd.stop_timeline()
 
-    def barrier(self) -> None:
-        with self.activity.waiting("barrier"):
-            hvd.barrier()
+    def _barrier(self) -> None:
+        hvd.barrier()
 
-    def shutdown(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.stop()
+    def _shutdown(self) -> None:
         hvd.shutdown()
 
 

@@ -17,59 +17,20 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import re
-import subprocess
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hvdtrain.engine.base import Engine, GradientSync
+from hvdtrain.engine.base import GradientSync, WatchedEngine
+from hvdtrain.engine.environment import launcher_facts, port_for_job, slurm_first_node
 from hvdtrain.errors import UserError
-from hvdtrain.watchdog import Activity, StallWatchdog
+from hvdtrain.engine.watchdog import Activity, StallWatchdog
 
-# (rank, world size, local rank, local size) as each launcher names them.
-_LAUNCHER_VARIABLES = (
-    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # torchrun
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),  # else _slurm_tasks_here
-)
 # Gradients are reduced in buckets of about this many bytes: one collective per bucket
 # (DDP's sizes: a small first bucket starts communication early in backward).
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
-
-
-def torchrun_launched() -> bool:
-    """torchrun (torch.distributed.run) started this process."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def launcher_facts() -> tuple[int, int, int, int] | None:
-    """(rank, size, local rank, local size) from the launcher's environment; None without one."""
-    for names in _LAUNCHER_VARIABLES:
-        if all(name in os.environ for name in names[:2]):
-            rank, size = int(os.environ[names[0]]), int(os.environ[names[1]])
-            local_rank = int(os.environ.get(names[2], rank))
-            local_size = int(os.environ[names[3]]) if names[3] in os.environ else _slurm_tasks_here() or size
-            return rank, size, local_rank, local_size
-    return None
-
-
-def _slurm_tasks_here() -> int | None:
-    """Tasks of this Slurm step on this node, from its per-node list ("2(x3),1": 2 on each of the first
-    three nodes, 1 on the fourth), which srun sets even without --ntasks-per-node."""
-    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
-    node = os.environ.get("SLURM_NODEID")
-    if not spec or node is None:
-        return None
-    counts: list[int] = []
-    for part in spec.split(","):
-        found = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-        if found is None:
-            return None
-        counts += [int(found.group(1))] * int(found.group(2) or 1)
-    return counts[int(node)] if int(node) < len(counts) else None
 
 
 def _required_facts() -> tuple[int, int, int, int]:
@@ -79,7 +40,7 @@ def _required_facts() -> tuple[int, int, int, int]:
     return facts
 
 
-class TorchEngine(Engine):
+class TorchEngine(WatchedEngine):
     """torch.distributed's process group; build it with `TorchEngine.start()`."""
     name = "torch"
 
@@ -118,9 +79,6 @@ class TorchEngine(Engine):
     def describe(self) -> str:
         return f"{super().describe()} rendezvous {self.rendezvous}"
 
-    def at(self, where: str) -> None:
-        self.activity.at(where)
-
     def is_engine_signal(self, err: BaseException) -> bool:
         return isinstance(err, (dist.DistBackendError, dist.DistNetworkError))
 
@@ -132,44 +90,35 @@ class TorchEngine(Engine):
         self._gradients = _OverlappedAverage(params, self.size, sync.accumulate, sync.compression)
         return optimizer  # `step` is the optimizer's own: the gradients are averaged before it
 
-    def synchronize(self, optimizer: torch.optim.Optimizer) -> bool:
-        with self.activity.waiting("the gradient allreduce"):
-            self._gradients.wait()
-        return True
+    def _synchronize(self, optimizer: torch.optim.Optimizer) -> None:
+        self._gradients.wait()
 
     def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # `step` never reduces here
 
-    def broadcast_parameters(self, model: torch.nn.Module) -> None:
-        with self.activity.waiting("broadcast of the parameters"):
-            for tensor in model.state_dict().values():
-                dist.broadcast(tensor, src=0)  # in place: state_dict tensors share storage with the model
+    def _broadcast_parameters(self, model: torch.nn.Module) -> None:
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=0)  # in place: state_dict tensors share storage with the model
 
-    def broadcast_object(self, obj: Any, name: str) -> Any:
+    def _broadcast_object(self, obj: Any, name: str) -> Any:
         holder = [obj]
-        with self.activity.waiting(f"broadcast '{name}'"):
-            dist.broadcast_object_list(holder, src=0, device=self._collective_device())
+        dist.broadcast_object_list(holder, src=0, device=self._collective_device())
         return holder[0]
 
-    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+    def _allgather_object(self, obj: Any, name: str) -> list[Any]:
         gathered: list[Any] = [None] * self.size
-        with self.activity.waiting(f"allgather '{name}'"):
-            dist.all_gather_object(gathered, obj)
+        dist.all_gather_object(gathered, obj)
         return gathered
 
-    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+    def _allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         reduced = tensor.detach().to(self._collective_device(), copy=True)
-        with self.activity.waiting(f"allreduce '{name}'"):
-            dist.all_reduce(reduced)
+        dist.all_reduce(reduced)
         return reduced.to(tensor.device)
 
-    def barrier(self) -> None:
-        with self.activity.waiting("barrier"):
-            dist.barrier()
+    def _barrier(self) -> None:
+        dist.barrier()
 
-    def shutdown(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.stop()
+    def _shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -277,7 +226,7 @@ def _init_method(one_host: bool) -> str:
         raise UserError(f"HVDTRAIN_INIT_METHOD must be tcp://HOST:PORT (rank 0's host and a free port), env:// "
                         f"or file://PATH, got '{method}'")
     if method == "env://" and "MASTER_ADDR" not in os.environ and not one_host:
-        first_node = _slurm_first_node()
+        first_node = slurm_first_node()
         if first_node:
             os.environ["MASTER_ADDR"] = first_node  # dist: rank 0 runs on the step's first node
     if method == "env://" and "MASTER_ADDR" not in os.environ:
@@ -287,26 +236,5 @@ def _init_method(one_host: bool) -> str:
                             "(launch/slurm.sbatch sets them), or HVDTRAIN_INIT_METHOD=tcp://HOST:PORT")
         os.environ["MASTER_ADDR"] = "127.0.0.1"  # dist: every rank on this host
     if method == "env://":
-        os.environ.setdefault("MASTER_PORT", str(_port_for_job()))
+        os.environ.setdefault("MASTER_PORT", str(port_for_job()))
     return method
-
-
-def _slurm_first_node() -> str | None:
-    """The first node of this Slurm step (where its task 0 runs), as `scontrol show hostnames` expands
-    the compressed list ("node[01-04]"); None outside a step or without scontrol."""
-    nodes = os.environ.get("SLURM_STEP_NODELIST")
-    if not nodes:
-        return None
-    try:
-        shown = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    first = shown.stdout.split()
-    return first[0] if shown.returncode == 0 and first else None
-
-
-def _port_for_job() -> int:
-    """The same port on every rank of one job, different across jobs (Open MPI's or Slurm's job id)."""
-    job = os.environ.get("OMPI_MCA_ess_base_jobid") or os.environ.get("SLURM_JOB_ID") or "0"
-    digits = "".join(c for c in job if c.isdigit()) or "0"
-    return 29500 + int(digits) % 20000

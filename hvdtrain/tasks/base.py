@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvdtrain.batch import call_model, split_batch
-from hvdtrain.metrics import Totals, ratios
+from hvdtrain.data.batch import call_model, split_batch
+from hvdtrain.train.metrics import Totals, ratios
 
 
 class Task:

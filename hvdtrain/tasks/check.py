@@ -18,10 +18,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hvdtrain.batch import batch_size, describe
+from hvdtrain.data.batch import batch_size, describe
 from hvdtrain.errors import UserError, message_lines, where
-from hvdtrain.metrics import MetricSums, is_sum_and_count
-from hvdtrain.precision import Precision
+from hvdtrain.train.metrics import MetricSums, is_sum_and_count
+from hvdtrain.train.precision import Precision
 from hvdtrain.tasks.base import Task, batch_metrics, model_loss, predictions
 
 Template = dict[str, tuple[torch.Size, torch.Size]]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hvdtrain.checkpoint import CheckpointStore
+from hvdtrain.io.checkpoint import CheckpointStore
 
 run_dir, epoch = Path(sys.argv[1]), int(sys.argv[2])
 store = CheckpointStore(run_dir, keep_last=2)

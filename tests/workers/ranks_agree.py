@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from hvdtrain.engine import GradientSync, start_engine
-from hvdtrain.loop import apply_gradients
+from hvdtrain.train.loop import apply_gradients
 from hvdtrain.models import mlp
 
 out, steps = Path(sys.argv[1]), int(sys.argv[2])

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from hvdtrain.cli import _report_and_exit
+from hvdtrain.cli.common import report_and_exit as _report_and_exit
 from hvdtrain.engine import start_engine
 
 engine = start_engine("horovod", "cpu", stall_timeout=int(sys.argv[1]))

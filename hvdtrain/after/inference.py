@@ -1,0 +1,131 @@
+"""`evaluate` and `predict`: a saved model over a data set, sharded by rank, each sample once.
+
+    horovodrun -np 2 hvdtrain evaluate runs/fit-1 --data test.npz
+    horovodrun -np 2 hvdtrain predict runs/fit-1 --data new.npz --output predictions.npy
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from hvdtrain.data.batch import to_device
+from hvdtrain.io.atomic import atomic_write
+from hvdtrain.data.loading import batches, collate_function
+from hvdtrain.data.sources import build_part
+from hvdtrain.engine import Engine
+from hvdtrain.errors import UserError
+from hvdtrain.train.loop import evaluate
+from hvdtrain.train.precision import Precision
+from hvdtrain.data.sampler import EvalShardSampler, FixedBatchesByRank
+from hvdtrain.after.saved_run import SavedRun
+from hvdtrain.tasks import predictions
+from hvdtrain.tasks.check import check_first_batch, guarded
+
+PREDICTION_FORMATS = (".npy", ".pt", ".jsonl")
+
+
+def part_of(saved: SavedRun, part: str, need_targets: bool = True) -> tuple[Dataset, Any]:
+    """The data set part to run over (with the run's data config and the command's overrides),
+    and the run's collate function for it."""
+    cfg = saved.config
+    dataset = build_part(cfg.data, cfg.train.seed, saved.task.target_key, part, need_targets)
+    if len(dataset) == 0:  # type: ignore[arg-type]
+        raise UserError(f"data set '{cfg.data.name}' ({part}) has no samples")
+    return dataset, collate_function(cfg.data.collate, cfg.task.ignore_index, saved.task.target_key)
+
+
+def evaluate_run(saved: SavedRun, engine: Engine, part: str) -> dict[str, Any]:
+    """The task's metrics over every sample of the part, each counted once across ranks."""
+    cfg = saved.config
+    precision = Precision(cfg.train.precision, engine.device)
+    with engine.agree("data"):
+        dataset, collate = part_of(saved, part)
+        first = first_batch(dataset, cfg.data.batch_size, collate, engine)
+        held = dataset.tensors[-1] if isinstance(dataset, TensorDataset) and len(dataset.tensors) > 1 else None
+        template = check_first_batch(saved.task, saved.model, first, held, precision, "evaluation").template
+    sampler = EvalShardSampler(len(dataset), cfg.data.batch_size, engine.rank, engine.size)  # dist
+    result = evaluate(saved.model, engine, saved.task, batches(dataset, sampler, 0, False, collate), template,
+                      precision, cfg.train.channels_last)
+    return {"run_dir": str(saved.run_dir), "checkpoint": str(saved.checkpoint), "epoch": saved.epoch,
+            "data": cfg.data.name, "part": part, "samples": result.samples, "world_size": engine.size,
+            **result.metrics}
+
+
+@torch.no_grad()
+def predict_run(saved: SavedRun, engine: Engine, part: str, raw: bool) -> list[torch.Tensor] | None:
+    """One prediction per sample in the input's order, on rank 0 (None elsewhere): the task's
+    answer, or with `raw` the model's output. Batches are the same for any world size."""
+    cfg = saved.config
+    precision = Precision(cfg.train.precision, engine.device)
+    with engine.agree("data"):
+        dataset, collate = part_of(saved, part, need_targets=False)
+        first = first_batch(dataset, cfg.data.batch_size, collate, engine)
+        # dist: data that does not fit the model fails here, on every rank, with one line
+        guarded(saved.task, "the model's forward", lambda: _predicted(saved, first, precision, raw), first,
+                "prediction")
+    sampler = FixedBatchesByRank(len(dataset), cfg.data.batch_size, engine.rank, engine.size)  # dist
+    mine = []
+    for number, batch in zip(sampler.batch_numbers, batches(dataset, sampler, 0, False, collate)):
+        batch = to_device(batch, engine.device, cfg.train.channels_last)
+        mine.append((number, _predicted(saved, batch, precision, raw).cpu()))
+    everyone = engine.allgather_object(mine, "predictions")  # dist: rank 0 puts them in input order
+    if not engine.is_root:
+        return None
+    return [tensor for _, tensor in sorted(pair for rank_part in everyone for pair in rank_part)]
+
+
+def _predicted(saved: SavedRun, batch: Any, precision: Precision, raw: bool) -> torch.Tensor:
+    task = saved.task
+    with precision.autocast():
+        output, _ = task.forward(saved.model, batch)
+    found = predictions(output) if raw else task.predict(output)
+    if not isinstance(found, torch.Tensor) or found.dim() == 0:
+        raise UserError(f"task {task.name} found no per-sample predictions in the model's output (a model that "
+                        "returns only its loss has none): return the outputs too, e.g. a dict with 'loss' and "
+                        "'logits'")
+    return found.float() if found.dtype in (torch.float16, torch.bfloat16) else found
+
+
+def first_batch(dataset: Dataset, batch_size: int, collate: Any, engine: Engine) -> Any:
+    size = min(batch_size, len(dataset))  # type: ignore[arg-type]
+    first = next(iter(batches(dataset, [list(range(size))], 0, False, collate)))
+    return to_device(first, engine.device)
+
+
+def check_prediction_path(path: str) -> Path:
+    """Before any work: the output's format from its suffix, and a directory to write it in."""
+    output = Path(path)
+    if output.suffix not in PREDICTION_FORMATS:
+        raise UserError(f"--output '{path}' must end in {', '.join(PREDICTION_FORMATS)} (the file's format)")
+    if output.is_dir():
+        raise UserError(f"--output '{path}' is a directory: name a file")
+    if not output.parent.is_dir():
+        raise UserError(f"--output '{path}': directory '{output.parent}' does not exist")
+    return output
+
+
+def write_predictions(path: Path, per_batch: list[torch.Tensor]) -> tuple[int, str]:
+    """Writes the predictions atomically; returns (samples, shape description)."""
+    samples = [row for tensor in per_batch for row in tensor]
+    same_shape = len({tuple(t.shape[1:]) for t in per_batch}) == 1
+    if path.suffix == ".jsonl":
+        text = "".join(json.dumps({"index": i, "prediction": row.tolist()}) + "\n" for i, row in enumerate(samples))
+        atomic_write(path, lambda handle: handle.write(text.encode()))
+    elif path.suffix == ".pt":
+        value = torch.cat(per_batch) if same_shape else samples
+        atomic_write(path, lambda handle: torch.save(value, handle))
+    else:
+        if not same_shape:
+            raise UserError(f"the predictions differ in shape from batch to batch (padded sequences: "
+                            f"{sorted({tuple(t.shape[1:]) for t in per_batch})[:3]}...): an .npy file holds one "
+                            "array; write .pt or .jsonl instead")
+        array = torch.cat(per_batch).numpy()
+        atomic_write(path, lambda handle: np.save(handle, array))
+    shape = f"{len(samples)} x {tuple(per_batch[0].shape[1:])}" if same_shape else f"{len(samples)} samples"
+    return len(samples), shape

@@ -1,0 +1,113 @@
+"""Run directories read back: `hvdtrain runs` lists them, `hvdtrain plot` draws their curves.
+
+    hvdtrain runs                    # every run under runs/
+    hvdtrain plot runs/np1 runs/np4  # loss and metrics against epoch and wall time, overlaid
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hvdtrain.errors import UserError
+
+
+@dataclass
+class RunRecord:
+    path: Path
+    config: dict[str, Any]
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    """metrics.jsonl: one record per epoch done."""
+    summary: dict[str, Any] | None = None
+
+    @property
+    def planned_epochs(self) -> int | None:
+        return (self.config.get("train") or {}).get("epochs")
+
+    @property
+    def world_size(self) -> int | None:
+        source = self.summary or (self.epochs[-1] if self.epochs else {})
+        return source.get("world_size")
+
+    @property
+    def status(self) -> str:
+        done = self.epochs[-1]["epoch"] if self.epochs else 0
+        if self.summary is not None and done >= (self.planned_epochs or 0):
+            return "finished"
+        return "not started" if not done else f"stopped after epoch {done}"
+
+    def best(self) -> tuple[str, float | None, int | None]:
+        """(metric, best value, its epoch): the summary's, or from the epochs done."""
+        if self.summary and self.summary.get("best_metric"):
+            return self.summary["best_metric"], self.summary.get("best_value"), self.summary.get("best_epoch")
+        from hvdtrain.io.checkpoint import MANIFEST, best_entry
+
+        try:  # an unfinished run: the checkpoints' manifest knows the metric and its direction
+            manifest = json.loads((self.path / "checkpoints" / MANIFEST).read_text())
+            name, maximize = manifest["best_metric"], bool(manifest["maximize"])
+        except (OSError, ValueError, KeyError):
+            name, maximize = "val_loss", False
+        found = best_entry(self.epochs, name, maximize) or {}
+        return name, found.get(name), found.get("epoch")
+
+    def samples_per_s(self) -> float | None:
+        if self.summary and self.summary.get("train_samples_per_s"):
+            return float(self.summary["train_samples_per_s"])
+        rates = [r["train_samples_per_s"] for r in self.epochs if "train_samples_per_s" in r]
+        return sum(rates) / len(rates) if rates else None
+
+
+def read_run(path: Path) -> RunRecord:
+    """A run directory's files; a clear error when `path` is not one."""
+    if not (path / "config.yaml").is_file():
+        raise UserError(f"'{path}' is not a run directory (it has no config.yaml): pass the --run-dir of a fit")
+    try:
+        config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+        metrics = path / "metrics.jsonl"
+        epochs = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.is_file() else []
+        summary_file = path / "summary.json"
+        summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
+    except (ValueError, yaml.YAMLError) as err:
+        raise UserError(f"run directory '{path}' has a file that does not parse ({err}): was it edited by hand?") from err
+    return RunRecord(path, config, epochs, summary)
+
+
+def find_runs(root: Path) -> list[RunRecord]:
+    """Every run directory at or below `root` (sorted by path); unreadable ones are skipped."""
+    if not root.is_dir():
+        raise UserError(f"'{root}' is not a directory: pass the directory that holds your runs (default runs)")
+    found = []
+    for config in sorted(root.rglob("config.yaml")):
+        try:
+            found.append(read_run(config.parent))
+        except UserError:
+            continue
+    return found
+
+
+def table(runs: list[RunRecord]) -> str:
+    """One line per run, columns aligned."""
+    rows = [("run", "world size", "epochs", "best", "samples/s", "status")]
+    for run in runs:
+        name, value, epoch = run.best()
+        best = f"{name} {value:.4f} (epoch {epoch})" if value is not None else "-"
+        rate = run.samples_per_s()
+        done = run.epochs[-1]["epoch"] if run.epochs else 0
+        rows.append((str(run.path), str(run.world_size or "-"), f"{done}/{run.planned_epochs or '?'}", best,
+                     f"{rate:,.0f}" if rate else "-", run.status))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+
+def as_json(runs: list[RunRecord]) -> list[dict[str, Any]]:
+    out = []
+    for run in runs:
+        name, value, epoch = run.best()
+        out.append({"run": str(run.path), "world_size": run.world_size, "epochs_done": run.epochs[-1]["epoch"]
+                    if run.epochs else 0, "epochs": run.planned_epochs, "best_metric": name, "best_value": value,
+                    "best_epoch": epoch, "train_samples_per_s": run.samples_per_s(), "status": run.status})
+    return out

@@ -1,0 +1,124 @@
+"""A run directory opened after `fit`: its config and a verified checkpoint's model, on every rank.
+
+    hvdtrain evaluate runs/fit-1                       # best.pt, on the run's validation data
+    hvdtrain export runs/fit-1 --checkpoint last
+
+Rank 0 reads the checkpoint (the run directory need not be shared between hosts) and
+checks it against the manifest's sha256; every rank rebuilds the model from the
+checkpoint's config and shapes and takes rank 0's weights by broadcast.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hvdtrain.io.checkpoint import MANIFEST, CheckpointStore, sha256_of
+from hvdtrain.config import Config
+from hvdtrain.data.sources import build_data
+from hvdtrain.engine import Engine
+from hvdtrain.errors import UserError, message_lines
+from hvdtrain.models import ModelShapes
+from hvdtrain.tasks import Task, build_task
+
+NAMED = ("best", "last")
+
+
+@dataclass
+class SavedRun:
+    run_dir: Path
+    checkpoint: Path
+    config: Config
+    """The checkpoint's config with the command's overrides (data, batch size, device) applied."""
+    epoch: int
+    shapes: ModelShapes
+    task: Task
+    model: nn.Module
+    """On the engine's device, in eval mode, with the checkpoint's weights."""
+
+
+def open_run(engine: Engine, run_dir: str | Path, which: str = "best",
+             overrides: dict[str, Any] | None = None) -> SavedRun:
+    """The run's model with the checkpoint's weights on every rank (collective: call it on all)."""
+    run_dir = Path(run_dir)
+    with engine.agree("checkpoint"):  # dist: rank 0 alone reads the checkpoint
+        state = read_checkpoint(run_dir, which) if engine.is_root else None
+        meta = _meta(state) if state is not None else None
+    meta = engine.broadcast_object(meta, "checkpoint_meta")
+    with engine.agree("model"):
+        config = Config.from_dict(meta["config"], overrides)
+        task = build_task(config.task)
+        shapes = ModelShapes.from_dict(meta["shapes"])
+        torch.manual_seed(config.train.seed)
+        model = shapes.build(config.model)
+        if state is not None:
+            _load_weights(model, state["model"], meta["path"])
+        model = model.to(engine.device).eval()
+    engine.broadcast_parameters(model)  # dist: every rank holds rank 0's weights
+    return SavedRun(run_dir, Path(meta["path"]), config, meta["epoch"], shapes, task, model)
+
+
+def read_checkpoint(run_dir: Path, which: str) -> dict[str, Any]:
+    """The checkpoint `which` names (best, last or a path), verified; rank 0 only."""
+    path = checkpoint_path(run_dir, which)
+    state = CheckpointStore.load(path)
+    if "config" not in state:
+        raise UserError(f"checkpoint '{path}' holds no config: it was written by an older hvdtrain; "
+                        "train it again with this version")
+    state["_path"] = str(path)
+    return state
+
+
+def checkpoint_path(run_dir: Path, which: str) -> Path:
+    if which not in NAMED:
+        path = Path(which)
+        if not path.is_file():
+            raise UserError(f"checkpoint '{which}' does not exist: pass best, last or the path of a checkpoint file")
+        return path
+    if not run_dir.is_dir():
+        raise UserError(f"run directory '{run_dir}' does not exist: pass the --run-dir of a finished `hvdtrain fit`")
+    path = run_dir / "checkpoints" / f"{which}.pt"
+    if not path.is_file():
+        raise UserError(f"'{run_dir}' has no checkpoints ({path} is missing): pass the run directory of a `fit` "
+                        "that finished at least one epoch")
+    expected = _manifest_sha256(run_dir / "checkpoints", which)
+    if expected is not None and sha256_of(path) != expected:
+        raise UserError(f"checkpoint '{path}' is corrupt or truncated (its sha256 does not match {MANIFEST}): pass "
+                        f"--checkpoint with an intact one from {run_dir / 'checkpoints'}")
+    return path
+
+
+def _manifest_sha256(directory: Path, which: str) -> str | None:
+    """The sha256 the manifest records for best.pt or last.pt; None without a readable manifest."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        entries = sorted(manifest["checkpoints"], key=lambda e: e["epoch"])
+        name = manifest["best"] if which == "best" else entries[-1]["file"]
+        return next(e["sha256"] for e in entries if e["file"] == name)
+    except (OSError, ValueError, KeyError, IndexError, StopIteration):
+        return None
+
+
+def _meta(state: dict[str, Any]) -> dict[str, Any]:
+    """What every rank needs to rebuild the model (small: no tensors)."""
+    shapes = state.get("shapes")
+    if shapes is None:  # written before checkpoints recorded shapes: read them off the data
+        config = Config.from_dict(state["config"])
+        split = build_data(config.data, config.train.seed, config.task.target_key)
+        task = build_task(config.task)
+        shapes = ModelShapes(split.input_shape, split.num_classes,
+                             task.num_outputs(split.num_classes, split.target_shape)).to_dict()
+    return {"config": state["config"], "shapes": shapes, "epoch": int(state["epoch"]), "path": state["_path"]}
+
+
+def _load_weights(model: nn.Module, weights: dict[str, torch.Tensor], path: str) -> None:
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as err:
+        raise UserError(f"checkpoint '{path}' does not fit the model its config builds: "
+                        f"{message_lines(err, 2)}; was the model's code changed since?") from err

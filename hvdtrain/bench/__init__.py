@@ -1,1 +1,0 @@
-"""`hvdtrain bench`: allreduce bandwidth, training throughput, sampler cost."""

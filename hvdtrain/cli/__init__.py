@@ -1,0 +1,52 @@
+"""The `hvdtrain` command: flags and YAML become one Config, then one call to `fit`.
+
+    horovodrun -np 4 hvdtrain fit --config run.yaml --epochs 20
+    hvdtrain config > run.yaml        # every key, its default and what it does
+
+The click group and the entry point live here; one module per command group (`fit`, `after`,
+`tools`), what they share in `common`, the launcher wrappers in `launchers`. A thin shell: it may
+import anything of hvdtrain, lazily inside a command where the import is heavy (torch, horovod).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+import click
+
+from hvdtrain.cli import after, fit, tools
+from hvdtrain.cli.common import fail, report_and_exit
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="hvdtrain")
+def cli() -> None:
+    """hvdtrain: data-parallel training with Horovod.
+
+    Start one process per GPU or CPU slot with a launcher:
+
+        horovodrun -np 4 hvdtrain fit
+    """
+
+
+for command in (fit.fit, fit.plan, after.evaluate, after.predict, after.export_model, after.plot, after.list_runs,
+                tools.bench, tools.doctor, tools.show_config):
+    cli.add_command(command)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point: one clear line from rank 0 for bad input, tracebacks only with --debug."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    try:
+        cli.main(args=args, prog_name="hvdtrain", standalone_mode=False)
+    except click.exceptions.Exit as done:
+        sys.exit(done.exit_code)
+    except click.exceptions.Abort:
+        fail("interrupted", 130, debug)
+    except click.ClickException as err:
+        fail(err.format_message(), 2, debug)
+    except Exception as err:
+        report_and_exit(err, debug)
+        raise  # a bug or a machine failure: keep the traceback

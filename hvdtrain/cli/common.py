@@ -1,0 +1,78 @@
+"""What every command shares: running work on a started engine, one clear line for a user's error
+(from rank 0 only), rank 0's JSON files."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+import click
+
+from hvdtrain.errors import UserError
+
+
+def with_engine(debug: bool, work: Callable[[Any], Any], **engine_args: Any) -> None:
+    """Starts the engine (`start_engine`'s arguments), runs `work(engine)`, shuts it down.
+
+    A failure is reported before the engine shuts down: launchers stop the other ranks as
+    soon as one exits, and rank 0 must have said why by then.
+    """
+    from hvdtrain.engine import start_engine
+
+    engine = start_engine(**engine_args)
+    try:
+        work(engine)
+    except Exception as err:
+        report_and_exit(err, debug)
+        raise
+    finally:
+        engine.shutdown()
+
+
+def report_and_exit(err: Exception, debug: bool) -> None:
+    """Exits with one line for a user error or another rank's failure; returns for anything else."""
+    from hvdtrain.engine import RankFailed, launcher_rank
+    from hvdtrain.errors import FailedAt
+
+    if isinstance(err, UserError):
+        fail(str(err), err.exit_code, debug)
+    if isinstance(err, FailedAt):  # only the failing rank knows why: it says so itself
+        fail(str(err), err.exit_code, debug, every_rank=True)
+    if isinstance(err, RankFailed):
+        fail(str(err), UserError.exit_code if err.kind == "UserError" else 1, debug)
+    from hvdtrain.engine.horovod import is_collective_failure
+
+    if is_collective_failure(err):
+        # Not only rank 0: the rank that sees it says so (the others may be gone already).
+        rank = launcher_rank() or 0
+        first = str(err).split(". ")[0]
+        fail(f"rank {rank}: the job stopped in a collective: {first} (another rank failed or left: its own "
+             "line, or the launcher's, names it)", 1, debug, every_rank=True)
+
+
+def fail(message: str, code: int, debug: bool, every_rank: bool = False) -> NoReturn:
+    from hvdtrain.engine import launcher_rank
+
+    if debug:
+        traceback.print_exc()
+    if every_rank or (launcher_rank() or 0) == 0:  # dist: one line from rank 0, not one per rank
+        click.echo(f"hvdtrain: error: {message}", err=True)
+    sys.exit(code)
+
+
+def is_rank_0() -> bool:
+    from hvdtrain.engine import launcher_rank
+
+    return (launcher_rank() or 0) == 0
+
+
+def write_json(path: str | None, payload: Any) -> None:
+    if path:
+        import json
+
+        from hvdtrain.io.atomic import atomic_write
+
+        text = json.dumps(payload, indent=2) + "\n"
+        atomic_write(Path(path), lambda handle: handle.write(text.encode()))

@@ -1,0 +1,11 @@
+"""The typed, validated run configuration: `schema` (one dataclass per section, a docstring per
+field), `coercion` (raw values to typed fields) and `loading` (YAML, --set, `hvdtrain config`).
+Imports nothing of hvdtrain but `errors`; everything else may import it.
+"""
+
+from hvdtrain.config.loading import describe, load_config, parse_assignment
+from hvdtrain.config.schema import (Config, DataConfig, ModelConfig, OptimConfig, RunConfig, TaskConfig,
+                                    TrainConfig)
+
+__all__ = ["Config", "DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TaskConfig", "TrainConfig",
+           "describe", "load_config", "parse_assignment"]

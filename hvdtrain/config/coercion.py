@@ -1,0 +1,76 @@
+"""From raw YAML values to typed fields: dotted overrides merged in, unknown keys named with a
+close match, numbers and booleans given as text converted. Knows no section: the schema passes its
+types in."""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from typing import Any, Literal
+
+from hvdtrain.errors import UserError
+
+
+def merge_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for dotted, value in overrides.items():
+        section, _, key = dotted.partition(".")
+        if not key:
+            raise UserError(f"override '{dotted}' must be section.key, e.g. data.batch_size")
+        target = merged.setdefault(section, {})
+        if isinstance(target, dict):
+            target[key] = value
+    return merged
+
+
+def reject_unknown(values: dict[str, Any], known: Any, prefix: str) -> None:
+    for key in values:
+        if key not in known:
+            full = f"{prefix}{key}"
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"known keys: {', '.join(prefix + k for k in known)}"
+            raise UserError(f"config key '{full}' does not exist: {hint}")
+
+
+def build_section(section_type: type, values: dict[str, Any], section: str) -> Any:
+    hints = typing.get_type_hints(section_type)
+    reject_unknown(values, hints, f"{section}.")
+    kwargs = {key: _coerce(value, hints[key], f"{section}.{key}") for key, value in values.items()}
+    return section_type(**kwargs)
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Checks one value against its field type; numbers and booleans given as text are converted."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Union and type(None) in args:  # Optional[X]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)), key)
+    if origin is Literal:
+        if value not in args and str(value) in args:  # `precision: 32` in YAML is an int
+            value = str(value)
+        if value not in args:
+            raise UserError(f"config key '{key}' must be one of {', '.join(map(str, args))}; got {value!r}")
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise UserError(f"config key '{key}' must be true or false, got {value!r}")
+    if annotation in (int, float):
+        accepted = (int,) if annotation is int else (int, float)
+        if isinstance(value, accepted) and not isinstance(value, bool):
+            return annotation(value)
+        if isinstance(value, str):
+            try:
+                return annotation(value)
+            except ValueError:
+                pass
+        raise UserError(f"config key '{key}' must be {'an integer' if annotation is int else 'a number'}, got {value!r}")
+    if annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UserError(f"config key '{key}' must be text, got {value!r}")
+    raise TypeError(f"unsupported config type {annotation!r} for {key}")

@@ -1,0 +1,72 @@
+"""The configuration from a YAML file and `--set KEY=VALUE` overrides, and `hvdtrain config`'s
+commented listing of every key."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hvdtrain.config.schema import Config, section_types_of_config
+from hvdtrain.errors import UserError
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Reads a YAML file (safe loader) and applies overrides on top."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"config file '{path}' does not exist: check the path given to --config")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise UserError(f"config file '{path}' is not valid YAML{where}: fix its syntax") from err
+        if not isinstance(raw, dict):
+            raise UserError(f"config file '{path}' must hold a mapping of sections (data, model, ...), not {type(raw).__name__}")
+    return Config.from_dict(raw, overrides)
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """`section.key=value` from --set; the value is read as YAML (so 3, 0.1, true, null work)."""
+    key, sep, value = text.partition("=")
+    if not sep or "." not in key:
+        raise UserError(f"--set expects section.key=value (for example data.batch_size=32), got '{text}'")
+    try:
+        parsed = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def describe() -> str:
+    """The default config as YAML with each field's docstring as a comment."""
+    lines = ["# hvdtrain fit configuration: every key with its default.", ""]
+    defaults = Config().to_dict()
+    for section, section_type in section_types_of_config().items():
+        lines.append(f"{section}:")
+        docs = _field_docs(section_type)
+        for name, value in defaults[section].items():
+            for doc_line in docs.get(name, "").splitlines():
+                lines.append(f"  # {doc_line.strip()}")
+            dumped = yaml.safe_dump({name: value}, default_flow_style=True).strip()[1:-1]
+            lines.append(f"  {dumped}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _field_docs(section_type: type) -> dict[str, str]:
+    """Attribute docstrings (a string right after a field) read from the source."""
+    tree = ast.parse(inspect.getsource(section_type))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+                docs[node.target.id] = inspect.cleandoc(str(following.value.value))
+    return docs

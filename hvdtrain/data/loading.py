@@ -1,0 +1,88 @@
+"""How batches reach the loop: DataLoader or one gather per batch for tensors, the number of worker
+processes, and collate functions (`pad` for variable-length sequences, or the user's own)."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
+
+from hvdtrain.engine.environment import available_cores
+from hvdtrain.factory import resolve_factory
+
+if TYPE_CHECKING:
+    from hvdtrain.engine.base import Engine
+
+
+def data_workers(requested: int, dataset: Dataset, engine: Engine) -> int:
+    """DataLoader workers per process: as asked, or a choice that keeps the cores for compute."""
+    if requested >= 0:
+        return requested
+    if isinstance(dataset, TensorDataset) or engine.device.type != "cuda":
+        return 0  # in memory or CPU training: workers would only take cores from the compute
+    # dist: the host's cores are shared by its local processes; leave one for the main thread.
+    return max(0, min(4, available_cores() // engine.local_size - 1))
+
+
+def batches(dataset: Dataset, sampler: Sampler[list[int]] | list[list[int]], num_workers: int, pin_memory: bool,
+            collate: Callable[[list[Any]], Any] | None = None) -> Iterable:
+    """Batches in the order `sampler` gives (an iterable that can be re-iterated each epoch)."""
+    if isinstance(dataset, TensorDataset) and num_workers == 0 and collate is None:
+        return _TensorBatches(dataset.tensors, sampler)
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+                      persistent_workers=num_workers > 0, collate_fn=collate)
+
+
+def collate_function(name: str | None, ignore_index: int, target_key: str) -> Callable[[list[Any]], Any] | None:
+    """data.collate: None (PyTorch's default), `pad`, or the user's `package.module:function`."""
+    if name is None:
+        return None
+    if name == "pad":
+        return functools.partial(pad_collate, ignore_index=ignore_index, target_key=target_key)
+    return resolve_factory(name, "collate")
+
+
+def pad_collate(samples: list[Any], ignore_index: int = -100, target_key: str = "labels") -> Any:
+    """A batch of variable-length sequences, each field padded to the longest in the batch.
+
+    Targets (the last element of a tuple sample, the target key of a dict sample) are
+    padded with `ignore_index`, so padding is never scored; inputs with 0. A sample that
+    is one sequence becomes (input padded with 0, target padded with ignore_index), the
+    form the language-model task reads.
+    """
+    first = samples[0]
+    if isinstance(first, dict):
+        return {key: _padded([s[key] for s in samples], ignore_index if key == target_key else 0) for key in first}
+    if isinstance(first, (tuple, list)):
+        last = len(first) - 1
+        return tuple(_padded([s[i] for s in samples], ignore_index if i == last and last > 0 else 0)
+                     for i in range(len(first)))
+    return _padded(samples, 0), _padded(samples, ignore_index)
+
+
+def _padded(values: list[Any], pad_value: int) -> Any:
+    if not all(isinstance(v, (torch.Tensor, np.ndarray)) for v in values):
+        return default_collate(values)
+    tensors = [torch.as_tensor(v) for v in values]
+    if all(t.shape == tensors[0].shape for t in tensors):
+        return torch.stack(tensors)
+    return pad_sequence(tensors, batch_first=True, padding_value=pad_value)
+
+
+class _TensorBatches:
+    """One gather per batch instead of one `__getitem__` call and a collate per sample."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], sampler: Sampler[list[int]]):
+        self.tensors, self.sampler = tensors, sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        for indices in self.sampler:
+            index = torch.as_tensor(indices)
+            yield tuple(t[index] for t in self.tensors)

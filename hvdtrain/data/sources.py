@@ -1,0 +1,208 @@
+"""Data sets: the built-ins, `.npz` files and user factories, split into train and validation.
+
+A user's own `torch.utils.data.Dataset` works unchanged (through a factory), whatever
+its samples hold (see hvdtrain.data.batch); data held in tensors takes a faster path
+(hvdtrain.data.loading) that gathers a whole batch with one index operation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import ConcatDataset, Dataset, TensorDataset
+
+from hvdtrain.config import DataConfig
+from hvdtrain.data.batch import split_batch
+from hvdtrain.data import introspect
+from hvdtrain.errors import UserError
+from hvdtrain.factory import call_factory, is_factory_path
+
+BUILT_IN = ("digits", "random")
+
+
+@dataclass
+class DataSplit:
+    train: Dataset
+    val: Dataset
+    input_shape: tuple[int, ...] | None
+    """One sample's input shape; None when the input is not one tensor (several, or a dict)."""
+    num_classes: int | None
+    """None when it cannot be read off the data (a factory's Dataset without `classes`)."""
+    target_shape: tuple[int, ...] | None = None
+    """One sample's target shape (() for a class label); None when there is none."""
+    held_targets: torch.Tensor | None = None
+    """Every target, when the data set holds them in memory (to check labels once)."""
+    target_dtype: torch.dtype | None = None
+    """One sample's target dtype; None when there is no target tensor."""
+
+
+def build_data(cfg: DataConfig, seed: int, target_key: str = "labels") -> DataSplit:
+    """The train and validation sets the config names; the same on every rank."""
+    split = _build(cfg, seed, target_key)
+    if cfg.num_classes is not None:  # the user's word wins over what the data suggests
+        split.num_classes = cfg.num_classes
+    return split
+
+
+def _build(cfg: DataConfig, seed: int, target_key: str) -> DataSplit:
+    if _is_factory(cfg):
+        return _from_factory(cfg, seed, target_key)
+    x, y = _tensors(cfg, seed)
+    split = _split_tensors(x, y, cfg.val_fraction, seed)
+    return _standardized(split) if cfg.name == "digits" else split
+
+
+def _is_factory(cfg: DataConfig) -> bool:
+    return is_factory_path(cfg.name) and not cfg.name.endswith(".npz")  # a path with a colon can be a file
+
+
+PARTS = ("val", "train", "all")
+
+
+def build_part(cfg: DataConfig, seed: int, target_key: str, part: str, need_targets: bool = True) -> Dataset:
+    """One part of a data set for evaluation or prediction: the `train` or `val` split as `fit`
+    made it, or `all` of it in the source's own order (a factory's (train, val) pair: train first).
+    Without `need_targets`, an .npz file may hold only `x`."""
+    if part not in PARTS:
+        raise UserError(f"unknown data part '{part}': use one of {', '.join(PARTS)}")
+    if part != "all":
+        return getattr(build_data(cfg, seed, target_key), part)
+    if _is_factory(cfg):
+        made = call_factory(cfg.name, "data set", {})
+        if isinstance(made, tuple) and len(made) == 2:
+            return ConcatDataset(list(made))
+        return made
+    x, y = _tensors(cfg, seed, need_targets)
+    if cfg.name == "digits":  # standardized with the training part's statistics, as fit saw it
+        mean, std = _input_statistics(_split_tensors(x, y, cfg.val_fraction, seed).train.tensors[0])
+        x = (x - mean) / std
+    return TensorDataset(x) if y is None else TensorDataset(x, y)
+
+
+def _tensors(cfg: DataConfig, seed: int, need_targets: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inputs and targets of the in-memory sources, in their own order."""
+    if cfg.name == "digits":
+        return _digits()
+    if cfg.name == "random":
+        return _random_teacher(cfg.samples, cfg.features, cfg.classes, seed)
+    if cfg.name.endswith(".npz"):
+        return _npz(Path(cfg.name), need_targets)
+    raise UserError(
+        f"unknown data set '{cfg.name}': use one of {', '.join(BUILT_IN)}, a path to an .npz file, "
+        "or package.module:function"
+    )
+
+
+def _digits() -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits  # ships inside scikit-learn's wheel
+
+    digits = load_digits()
+    x = torch.from_numpy(digits.images.astype(np.float32) / 16.0).unsqueeze(1)  # (N, 1, 8, 8)
+    return x, torch.from_numpy(digits.target.astype(np.int64))
+
+
+def _random_teacher(samples: int, features: int, classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Gaussian inputs labelled by a fixed random linear teacher: learnable, unlike random labels.
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, features, generator=generator)
+    teacher = torch.randn(features, classes, generator=generator)
+    return x, (x @ teacher).argmax(dim=1)
+
+
+def _npz(path: Path, need_targets: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not path.is_file():
+        raise UserError(f"data file '{path}' does not exist: check data.name (--data)")
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            missing = [k for k in ("x", "y") if k not in arrays.files and (need_targets or k == "x")]
+            if missing:
+                raise UserError(
+                    f"data file '{path}' has no array {' or '.join(repr(k) for k in missing)} "
+                    f"(it has {', '.join(arrays.files) or 'none'}): save it with np.savez(path, x=inputs, y=labels)"
+                )
+            x, y = arrays["x"], arrays["y"] if "y" in arrays.files else None
+    except (OSError, ValueError) as err:
+        raise UserError(f"data file '{path}' is not a readable .npz file ({err}): write it with np.savez") from err
+    if not np.issubdtype(x.dtype, np.number):
+        raise UserError(f"data file '{path}': x must be numeric, got dtype {x.dtype}")
+    inputs = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    if y is None:
+        return inputs, None
+    if len(x) != len(y):
+        raise UserError(f"data file '{path}': x has {len(x)} samples but y has {len(y)}: they must match")
+    if not (np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_):
+        raise UserError(f"data file '{path}': y must hold class labels or numbers, got dtype {y.dtype}")
+    # Integer labels stay integers (classification); anything else becomes float32 (regression, multilabel).
+    targets = y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else np.ascontiguousarray(y, dtype=np.float32)
+    return inputs, torch.from_numpy(targets)
+
+
+def _from_factory(cfg: DataConfig, seed: int, target_key: str) -> DataSplit:
+    made = call_factory(cfg.name, "data set", {})
+    if isinstance(made, tuple) and len(made) == 2:
+        train, val = made
+    elif isinstance(made, Dataset):
+        train, val = _random_split(made, cfg.val_fraction, seed)
+    else:
+        raise UserError(
+            f"data factory '{cfg.name}' returned {type(made).__name__}: "
+            "return a torch Dataset or a (train, val) pair of them"
+        )
+    for part, name in ((train, "train"), (val, "val")):
+        if not hasattr(part, "__getitem__") or not hasattr(part, "__len__"):
+            raise UserError(f"data factory '{cfg.name}': its {name} set is not a map-style Dataset (needs __getitem__ "
+                            "and __len__): hvdtrain shards by index so that every rank gets the same number of "
+                            "batches; return a map-style Dataset (an IterableDataset cannot be sharded evenly)")
+    if len(train) == 0 or len(val) == 0:
+        raise UserError(f"data factory '{cfg.name}' gave an empty {'train' if len(train) == 0 else 'val'} set")
+    inputs, target = split_batch(train[0], target_key)
+    dtype = torch.as_tensor(target).dtype if introspect.shape_of(target) is not None else None
+    return DataSplit(train, val, introspect.shape_of(inputs), introspect.num_classes(train, val),
+                     introspect.shape_of(target), introspect.held_targets(train, val), dtype)
+
+
+# --- splitting -----------------------------------------------------------------
+
+
+def _split_tensors(x: torch.Tensor, y: torch.Tensor, val_fraction: float, seed: int) -> DataSplit:
+    if len(x) < 2:
+        raise UserError(f"the data set has {len(x)} sample(s): at least 2 are needed for train and validation")
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_val = min(len(x) - 1, max(1, round(len(x) * val_fraction)))
+    val_idx, train_idx = order[:n_val], order[n_val:]
+    labels = not (y.is_floating_point() or y.dtype == torch.bool)
+    return DataSplit(
+        TensorDataset(x[train_idx], y[train_idx]),
+        TensorDataset(x[val_idx], y[val_idx]),
+        tuple(x.shape[1:]),
+        int(y.max()) + 1 if labels else None,
+        tuple(y.shape[1:]),
+        y,
+        y.dtype,
+    )
+
+
+def _standardized(split: DataSplit) -> DataSplit:
+    """Zero mean, unit variance per input feature, with statistics from the training part only."""
+    train_x, train_y = split.train.tensors  # type: ignore[attr-defined]
+    val_x, val_y = split.val.tensors  # type: ignore[attr-defined]
+    mean, std = _input_statistics(train_x)
+    split.train = TensorDataset((train_x - mean) / std, train_y)
+    split.val = TensorDataset((val_x - mean) / std, val_y)
+    return split
+
+
+def _input_statistics(train_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return train_x.mean(dim=0), train_x.std(dim=0).clamp_min(0.1)  # border pixels are almost always 0
+
+
+def _random_split(dataset: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    n = len(dataset)  # type: ignore[arg-type]
+    if n < 2:
+        raise UserError(f"the data set has {n} sample(s): at least 2 are needed for train and validation")
+    n_val = min(n - 1, max(1, round(n * val_fraction)))
+    val, train = torch.utils.data.random_split(dataset, [n_val, n - n_val], generator=torch.Generator().manual_seed(seed))
+    return train, val

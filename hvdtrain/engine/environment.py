@@ -1,0 +1,111 @@
+"""What the launchers tell a process through its environment, read in this one place: rank and size
+from horovodrun, mpirun (Open MPI), PMI/PMIx, torchrun and Slurm's srun; local rank and size (Slurm's
+per-node task lists); the step's first node and a port per job; the cores this process may use.
+
+    torchrun   RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE (and TORCHELASTIC_RUN_ID)
+    mpirun     OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}; horovodrun adds HOROVOD_RANK
+    srun       SLURM_PROCID SLURM_NTASKS SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE; PMI_RANK/PMIX_RANK with --mpi
+
+Plain functions of `os.environ`, no torch: importable by anything.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+# (rank, world size, local rank, local size) as each launcher names them.
+TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+OPEN_MPI = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")  # else _slurm_tasks_here
+_LAUNCHER_VARIABLES = (TORCHRUN, OPEN_MPI, SLURM)
+# Rank variables set by the launchers that start Horovod, in the order we trust them.
+_MPI_RANK_VARIABLES = ("HOROVOD_RANK", OPEN_MPI[0], "PMI_RANK", "PMIX_RANK")
+
+
+def torchrun_launched() -> bool:
+    """torchrun (torch.distributed.run) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def environment_rank() -> int | None:
+    """This process's rank as its launcher set it, or None when no launcher started it."""
+    if torchrun_launched() and TORCHRUN[0] in os.environ:
+        return int(os.environ[TORCHRUN[0]])
+    mpi = mpi_rank()
+    return mpi if mpi is not None else plain_srun_rank()
+
+
+def mpi_rank() -> int | None:
+    """The rank that horovodrun, mpirun or an MPI plugin of srun (PMI, PMIx) set."""
+    for name in _MPI_RANK_VARIABLES:
+        if name in os.environ:
+            try:
+                return int(os.environ[name])
+            except ValueError:
+                return None
+    return None
+
+
+def plain_srun_rank() -> int | None:
+    """Slurm's task number in an srun step of several tasks that no MPI plugin set up
+    (`srun -n 4 hvdtrain fit`). Not in a batch script itself: it has SLURM_PROCID but no step."""
+    try:
+        tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "0"))
+        return int(os.environ[SLURM[0]]) if tasks > 1 and mpi_rank() is None else None
+    except (KeyError, ValueError):
+        return None
+
+
+def launcher_facts() -> tuple[int, int, int, int] | None:
+    """(rank, size, local rank, local size) from the launcher's environment; None without one."""
+    for names in _LAUNCHER_VARIABLES:
+        if all(name in os.environ for name in names[:2]):
+            rank, size = int(os.environ[names[0]]), int(os.environ[names[1]])
+            local_rank = int(os.environ.get(names[2], rank))
+            local_size = int(os.environ[names[3]]) if names[3] in os.environ else _slurm_tasks_here() or size
+            return rank, size, local_rank, local_size
+    return None
+
+
+def _slurm_tasks_here() -> int | None:
+    """Tasks of this Slurm step on this node, from its per-node list ("2(x3),1": 2 on each of the first
+    three nodes, 1 on the fourth), which srun sets even without --ntasks-per-node."""
+    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
+    node = os.environ.get("SLURM_NODEID")
+    if not spec or node is None:
+        return None
+    counts: list[int] = []
+    for part in spec.split(","):
+        found = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if found is None:
+            return None
+        counts += [int(found.group(1))] * int(found.group(2) or 1)
+    return counts[int(node)] if int(node) < len(counts) else None
+
+
+def slurm_first_node() -> str | None:
+    """The first node of this Slurm step (where its task 0 runs), as `scontrol show hostnames` expands
+    the compressed list ("node[01-04]"); None outside a step or without scontrol."""
+    nodes = os.environ.get("SLURM_STEP_NODELIST")
+    if not nodes:
+        return None
+    try:
+        shown = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first = shown.stdout.split()
+    return first[0] if shown.returncode == 0 and first else None
+
+
+def port_for_job() -> int:
+    """The same port on every rank of one job, different across jobs (Open MPI's or Slurm's job id)."""
+    job = os.environ.get("OMPI_MCA_ess_base_jobid") or os.environ.get("SLURM_JOB_ID") or "0"
+    digits = "".join(c for c in job if c.isdigit()) or "0"
+    return 29500 + int(digits) % 20000
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which launchers and containers narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,0 +1,109 @@
+"""The run directory: chosen and prepared by rank 0, never clobbered by accident.
+
+    config.yaml     the effective configuration
+    metrics.jsonl   one JSON object per epoch
+    summary.json    the final figures
+    events.out.tfevents.*   TensorBoard's (run.tensorboard)
+    horovod-timeline.json   Horovod's timeline (run.horovod_timeline)
+    checkpoints/    see hvdtrain.io.checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hvdtrain.io.atomic import atomic_write
+from hvdtrain.io.checkpoint import best_entry
+from hvdtrain.config import RunConfig
+from hvdtrain.errors import UserError
+from hvdtrain.io.event_log import EventLog
+
+TIMELINE = "horovod-timeline.json"
+
+
+def prepare_run_dir(cfg: RunConfig) -> Path:
+    """Checks the directory against --resume/--overwrite and makes it ready (rank 0 only)."""
+    if cfg.dir is None:
+        if cfg.resume:
+            raise UserError("--resume needs --run-dir: the run directory to continue")
+        return _fresh_default_dir()
+    path = Path(cfg.dir)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"run directory '{path}' is a file: choose another --run-dir")
+    has_content = path.is_dir() and any(path.iterdir())
+    if cfg.resume:
+        if not any((path / "checkpoints").glob("epoch-*.pt")):
+            raise UserError(f"nothing to resume in '{path}': it has no checkpoints; drop --resume to start a new run")
+        return path
+    if has_content:
+        if not cfg.overwrite:
+            raise UserError(
+                f"run directory '{path}' already holds a run: pass --resume to continue it, "
+                "--overwrite to start it again, or choose another --run-dir"
+            )
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _fresh_default_dir() -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for suffix in ["", *(f"-{n}" for n in range(2, 1000))]:
+        path = Path("runs") / f"fit-{stamp}{suffix}"
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise UserError("could not find a free run directory under runs/: pass --run-dir")
+
+
+class RunFiles:
+    """Writes the run directory's files (rank 0 only)."""
+
+    def __init__(self, path: Path, events: EventLog | None = None):
+        self.path = path
+        self.events = events
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        text = yaml.safe_dump(config, sort_keys=False)
+        atomic_write(self.path / "config.yaml", lambda handle: handle.write(text.encode()))
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.events is not None:
+            self.events.epoch(record)
+
+    def log_steps(self, step: int, values: dict[str, float]) -> None:
+        if self.events is not None:
+            self.events.steps(step, values)
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
+
+    def truncate_metrics(self, after_epoch: int) -> None:
+        """On resume: drops records of epochs after the checkpoint, which are replayed."""
+        path = self.path / "metrics.jsonl"
+        if not path.exists():
+            return
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["epoch"] <= after_epoch]
+        text = "".join(line + "\n" for line in kept)
+        atomic_write(path, lambda handle: handle.write(text.encode()))
+
+    def best_record(self, key: str, higher_is_better: bool) -> dict[str, Any]:
+        """The epoch record with the best `key` in metrics.jsonl (ties: the later epoch)."""
+        path = self.path / "metrics.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+        return best_entry(records, key, higher_is_better) or {}
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        text = json.dumps(summary, indent=2) + "\n"
+        atomic_write(self.path / "summary.json", lambda handle: handle.write(text.encode()))

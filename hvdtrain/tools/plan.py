@@ -1,0 +1,116 @@
+"""`hvdtrain plan`: what each rank of a `fit` will do, worked out before anything trains.
+
+    hvdtrain plan --np 4 --batch-size 32          # alone: 4 processes on this host
+    horovodrun -np 4 hvdtrain plan --batch-size 32  # under the launcher: the real ranks
+
+Every number comes from the pieces `fit` uses (the sampler, the learning-rate schedule,
+the device choice), not from a second calculation of them.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+from hvdtrain.config import Config
+from hvdtrain.data.sources import build_data
+from hvdtrain.tools.doctor import gpus
+from hvdtrain.engine.environment import available_cores
+from hvdtrain.data.sampler import EvalShardSampler, ShardedBatchSampler
+from hvdtrain.train.schedule import LearningRate
+from hvdtrain.tasks import build_task
+
+SHOWN_INDICES = 8
+
+
+def rank_facts(rank: int, local_rank: int, size: int, local_size: int, device: str, threads: int,
+               started_device: str | None = None) -> dict[str, Any]:
+    """One rank's place: where it runs, on which device (and physical GPU), with how many threads."""
+    gpu = gpus(range(local_rank, local_rank + 1))["local_rank_gpu"][local_rank]  # "cuda:r (physical p)"
+    if started_device is not None:  # under a launcher: the engine chose it already
+        chosen = gpu if started_device.startswith("cuda") and gpu else started_device
+    elif device == "cpu" or (device == "auto" and gpu is None):
+        chosen = "cpu"
+    else:  # dist: local rank r takes cuda:r, counted among the GPUs CUDA_VISIBLE_DEVICES leaves visible
+        chosen = gpu or f"cuda:{local_rank} (not visible here: fit would stop)"
+    # dist: the host's cores are divided among its processes (as fit does)
+    per_rank = threads if threads > 0 else max(1, available_cores() // max(1, local_size))
+    return {"rank": rank, "local_rank": local_rank, "world_size": size, "local_size": local_size,
+            "host": platform.node(), "device": chosen, "threads": per_rank}
+
+
+def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    size = len(ranks)
+    task = build_task(config.task)
+    split = build_data(config.data, config.train.seed, task.target_key)
+    n_train, n_val = len(split.train), len(split.val)  # type: ignore[arg-type]
+    batch, accumulate = config.data.batch_size, config.train.accumulate
+    samplers = [ShardedBatchSampler(n_train, batch, r, size, seed=config.train.seed, multiple=accumulate)
+                for r in range(size)]
+    for sampler in samplers:
+        sampler.set_epoch(1)  # fit's first epoch
+    steps = len(samplers[0]) // accumulate
+    global_batch = batch * size * accumulate
+    lr = LearningRate.from_config(config.optim, world_size=size, accumulate=accumulate, adasum=config.train.adasum,
+                                  steps_per_epoch=steps, epochs=config.train.epochs)
+    val = [EvalShardSampler(n_val, batch, r, size) for r in range(size)]
+    first = [next(iter(s), []) for s in samplers]
+    return {
+        "world_size": size, "data": config.data.name, "task": task.name, "train_samples": n_train,
+        "val_samples": n_val, "epochs": config.train.epochs,
+        "ranks": [{**facts, "val_first": v.start, "val_stop": v.stop, "first_batch": f}
+                  for facts, v, f in zip(ranks, val, first)],
+        "batch_per_rank": batch, "accumulate": accumulate, "global_batch": global_batch,
+        "steps_per_epoch": steps, "samples_per_epoch": steps * global_batch,
+        "dropped_per_epoch": n_train - steps * global_batch,
+        "lr": {"base": lr.base, "scale": lr.scale, "peak": lr.base * lr.scale, "first_step": lr(0),
+               "warmup_steps": lr.warmup_steps, "schedule": lr.schedule, "total_steps": lr.total_steps,
+               "last_step": lr(max(0, lr.total_steps - 1))},
+        "adasum": config.train.adasum,
+    }
+
+
+def render(plan: dict[str, Any]) -> str:
+    ranks, lr = plan["ranks"], plan["lr"]
+    lines = [f"hvdtrain plan: world size {plan['world_size']}, task {plan['task']}, data {plan['data']}: "
+             f"{plan['train_samples']} training and {plan['val_samples']} validation samples, "
+             f"{plan['epochs']} epochs", ""]
+    rows = [("rank", "local rank", "host", "device", "threads", "validation samples")]
+    for r in ranks:
+        rows.append((str(r["rank"]), str(r["local_rank"]), r["host"], r["device"], str(r["threads"]),
+                     f"{r['val_first']}..{r['val_stop'] - 1} ({r['val_stop'] - r['val_first']})"
+                     if r["val_stop"] > r["val_first"] else "none"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    accumulate = f" x accumulate {plan['accumulate']}" if plan["accumulate"] > 1 else ""
+    dropped = plan["dropped_per_epoch"]
+    lines += [
+        "",
+        f"batch: {plan['batch_per_rank']} per rank x {plan['world_size']} ranks{accumulate} = global batch "
+        f"{plan['global_batch']} per optimizer step",
+        f"steps per epoch: {plan['steps_per_epoch']} ({plan['samples_per_epoch']} samples); "
+        + (f"{dropped} samples of each epoch's shuffle are left out (a different {dropped} each epoch: the last "
+           "partial global batch)" if dropped else "no sample is left out"),
+        _lr_line(plan, lr),
+        "",
+        "first global batch (epoch 1, step 1), indices into the training set:",
+    ]
+    for r in ranks:
+        shown = r["first_batch"][:SHOWN_INDICES]
+        more = f", ... ({len(r['first_batch'])} in all)" if len(r["first_batch"]) > SHOWN_INDICES else ""
+        lines.append(f"  rank {r['rank']}: [{', '.join(map(str, shown))}{more}]")
+    return "\n".join(lines)
+
+
+def _lr_line(plan: dict[str, Any], lr: dict[str, Any]) -> str:
+    if plan["adasum"]:
+        scaled = f"{lr['base']:g} (Adasum: not scaled)"
+    elif lr["scale"] == 1:
+        scaled = f"{lr['base']:g} (not scaled)"
+    else:
+        scaled = (f"{lr['base']:g} for one process x {lr['scale']:g} (the global batch over one rank's batch) "
+                  f"= {lr['peak']:g}")
+    warmup = (f", reached after a linear warm-up over {lr['warmup_steps']} steps starting at {lr['first_step']:g}"
+              if lr["warmup_steps"] else "")
+    after = "then constant" if lr["schedule"] == "constant" else f"then cosine to {lr['last_step']:.3g} at the last step"
+    return f"learning rate: {scaled}{warmup}; {after}"

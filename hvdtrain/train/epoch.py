@@ -1,0 +1,165 @@
+"""One epoch of a run and what surrounds the epochs: rank 0's run files, train then evaluate then
+record and checkpoint (`run_epoch`), and the summary at the end (`finish`). Shared by plain and
+elastic `fit`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from hvdtrain.config import Config
+from hvdtrain.engine import Engine, RankFailed
+from hvdtrain.errors import FailedAt, UserError, message_lines, where
+from hvdtrain.io.checkpoint import CheckpointStore
+from hvdtrain.io.event_log import EventLog
+from hvdtrain.io.progress import EpochProgress, epoch_line, say
+from hvdtrain.io.run_dir import RunFiles
+from hvdtrain.train.loop import evaluate, train_epoch
+from hvdtrain.train.setup import Run, unwrapped
+
+
+@dataclass
+class Totals:
+    """What the summary needs, gathered over the epochs."""
+
+    started: float
+    start_epoch: int
+    record: dict[str, Any] | None = None
+    train_seconds: float = 0.0
+    train_samples: int = 0
+
+
+def open_run_files(config: Config, engine: Engine, run: Run, run_dir: Path, start_epoch: int,
+                   start_step: int) -> RunFiles | None:
+    """Rank 0's writer of the run directory (None elsewhere); says where the run goes."""
+    if not engine.is_root:  # dist: rank 0 writes shared files
+        return None
+    events = EventLog(run_dir, resumed_at_step=start_step) if config.run.tensorboard else None
+    files = RunFiles(run_dir, events)
+    files.write_config(config.to_dict())
+    files.truncate_metrics(after_epoch=start_epoch)
+    say(f"hvdtrain: run directory {run_dir}  (world size {engine.size}, "
+        f"global batch {run.train_sampler.global_batch * config.train.accumulate}, "
+        f"{len(run.train_sampler)} batches per rank per epoch)")
+    return files
+
+
+def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, totals: Totals,
+              files: RunFiles | None, store: CheckpointStore, stream: Any, *, start: int = 0,
+              after_step: Callable[[int], None] | None = None) -> int:
+    """Trains one epoch (from global position `start`), evaluates, and on rank 0 records it
+    and checkpoints. Returns the next step number."""
+    _seed(config.train.seed, epoch, engine.rank)
+    run.train_sampler.set_epoch(epoch, start)  # dist: a new shuffle, the same on every rank
+    epochs = config.train.epochs
+    progress = EpochProgress(stream, epoch, epochs, len(run.train_sampler) // config.train.accumulate, step)
+
+    position = [f"epoch {epoch}, step {step + 1}"]  # where a failure of the user's code is reported
+
+    def on_step(done: int, loss: torch.Tensor) -> None:
+        position[0] = f"epoch {epoch}, step {done + 1}"
+        engine.at(f"epoch {epoch}, training after step {done}")  # dist: for a stall report
+        progress.step(done, loss)
+        logged = run.step_log.step(done, loss, run.learning_rate)
+        if logged is not None and files is not None:
+            files.log_steps(done, logged)
+        if after_step is not None:
+            after_step(done)
+
+    engine.at(f"epoch {epoch}, training from step {step}")
+    epoch_start = time.perf_counter()
+    try:
+        train, step = train_epoch(
+            run.model, run.optimizer, engine, run.task, run.train_batches,
+            first_step=step, learning_rate=run.learning_rate, accumulate=config.train.accumulate,
+            clip_grad_norm=config.optim.clip_grad_norm, precision=run.precision,
+            channels_last=config.train.channels_last, nonfinite=config.train.nonfinite, on_step=on_step,
+        )
+        seconds = time.perf_counter() - epoch_start
+        progress.close()
+        engine.at(f"epoch {epoch}, evaluation")
+        position[0] = f"epoch {epoch}, evaluation"
+        val = evaluate(run.model, engine, run.task, run.val_batches, run.first.template, run.precision,
+                       config.train.channels_last)
+    except Exception as err:
+        raise _located(err, engine, position[0])
+    totals.train_seconds += seconds
+    totals.train_samples += train.samples
+    metrics = {f"val_{name}": val.metrics[name] for name in sorted(val.metrics, key=lambda n: n != "loss")}
+    totals.record = {
+        "epoch": epoch, "epochs": epochs, "step": step, "world_size": engine.size,
+        "train_loss": train.loss, **metrics,
+        "val_samples": val.samples, "train_samples": train.samples, "skipped_steps": train.skipped_steps,
+        "train_samples_per_s": train.samples / seconds, "lr": run.learning_rate(step),
+        "elapsed_s": time.perf_counter() - totals.started,
+    }
+    if files is not None:
+        files.append_metrics(totals.record)
+        say(epoch_line(totals.record))
+        if epoch % config.run.checkpoint_every == 0 or epoch == epochs:
+            store.save(_checkpoint_state(run, config, engine, epoch, step), epoch, metrics)
+    return step
+
+
+def _located(err: Exception, engine: Engine, position: str) -> Exception:
+    """The user's code failed mid-run on this rank (a Dataset, the model, the task): one line
+    naming the rank, where in the run, and where in their code. Other failures pass as they are."""
+    if isinstance(err, (UserError, RankFailed)) or engine.is_engine_signal(err):
+        return err
+    located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message_lines(err)}{where(err)}; "
+                       "every rank stops (--debug shows the traceback)")
+    located.__cause__ = err
+    return located
+
+
+def finish(config: Config, engine: Engine, run: Run, run_dir: Path, totals: Totals,
+           files: RunFiles | None) -> dict[str, Any]:
+    """The run's summary; rank 0 writes summary.json and says how it ended."""
+    record = totals.record or {}
+    epochs = config.train.epochs
+    key, higher = run.best
+    summary = {
+        "world_size": engine.size, "epochs": epochs, "steps": record.get("step"), "task": run.task.name,
+        **{name: value for name, value in record.items() if name.startswith("val_")},
+        "train_loss": record.get("train_loss"), "best_metric": key,
+        "train_samples_per_s": totals.train_samples / totals.train_seconds if totals.train_seconds else None,
+        "wall_s": time.perf_counter() - totals.started,
+        "engine": engine.name, "controller": engine.controller, "device": str(engine.device),
+        "resumed_from_epoch": totals.start_epoch or None,
+    }
+    if files is not None:
+        best = files.best_record(key, higher)  # over every epoch recorded, a resumed run's too
+        summary.update(best_value=best.get(key), best_epoch=best.get("epoch"))
+        files.write_summary(summary)
+        files.close()
+        if record:
+            best_text = f" (best {best[key]:.4f} at epoch {best['epoch']})" if best else ""
+            say(f"hvdtrain: done: {key} {record[key]:.4f} after {epochs} epochs{best_text}; "
+                f"results in {run_dir}/summary.json")
+        else:
+            say(f"hvdtrain: nothing to do: {run_dir} already finished {epochs} epochs")
+    return summary
+
+
+def _checkpoint_state(run: Run, config: Config, engine: Engine, epoch: int, step: int) -> dict[str, Any]:
+    return {
+        "model": unwrapped(run.model).state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "epoch": epoch,
+        "step": step,
+        "world_size": engine.size,
+        "scaler": run.precision.state_dict(),
+        "task": run.task.name,
+        "shapes": run.shapes.to_dict(),  # what `evaluate`, `predict` and `export` rebuild the model from
+        "config": config.to_dict(),
+    }
+
+
+def _seed(seed: int, epoch: int, rank: int) -> None:
+    # Per epoch and rank, so dropout and augmentation replay exactly after a resume.
+    torch.manual_seed(seed * 1_000_003 + epoch * 1_009 + rank)

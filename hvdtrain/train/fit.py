@@ -1,0 +1,31 @@
+"""`fit`: builds the run from a config and drives the loop on a given engine.
+
+    horovodrun -np 2 hvdtrain fit             # two processes, Gloo or MPI
+    mpirun -np 2 hvdtrain fit                 # the same through plain MPI
+    hvdtrain fit                              # one process, no launcher needed
+
+From Python: `fit(Config(), start_engine())`. The engine is an argument so the same
+code runs on Horovod, on one local process, and in tests. Sits above both kinds of fit:
+plain (`plain`) and elastic (`elastic`), which share `setup` and `epoch`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from hvdtrain.config import Config
+from hvdtrain.engine import Engine
+from hvdtrain.train.elastic import fit_elastic
+from hvdtrain.train.plain import fit_plain
+
+
+def fit(config: Config, engine: Engine) -> dict[str, Any]:
+    """Trains as the config says; returns the summary (also in summary.json)."""
+    started = time.perf_counter()
+    sys.stderr.write(f"hvdtrain: {engine.describe()}\n")  # every rank, once; one write keeps it whole
+    sys.stderr.flush()
+    if config.train.elastic:
+        return fit_elastic(config, engine, started)
+    return fit_plain(config, engine, started)

@@ -1,0 +1,156 @@
+"""The training loop as plain functions of model, optimizer, batches and engine.
+
+No Horovod here: the engine does every collective, and no loss or metric either: the
+task says what a batch means. Losses are accumulated as tensors and read once per
+epoch, so the loop never waits on the device for a metric.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from hvdtrain.data.batch import batch_size, to_device
+from hvdtrain.engine import Engine
+from hvdtrain.train.metrics import MetricSums
+from hvdtrain.train.precision import FP32, Precision
+from hvdtrain.tasks import Task, batch_metrics, training_loss
+from hvdtrain.tasks.check import Template
+
+# float32 needs no autocast and no scaler, so one instance serves every device.
+FULL_PRECISION = Precision(FP32, torch.device("cpu"))
+
+
+@dataclass
+class EpochResult:
+    loss: float
+    """Mean loss per sample over all ranks (of the steps kept)."""
+    samples: int
+    """Samples seen by all ranks together."""
+    skipped_steps: int = 0
+    """Steps dropped for a non-finite loss (nonfinite=skip)."""
+
+
+def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engine,
+                    clip_grad_norm: Optional[float], precision: Precision = FULL_PRECISION,
+                    check_finite: bool = False) -> bool:
+    """One optimizer step on gradients combined over all ranks.
+
+    Horovod's order: wait for the allreduce, then touch the gradients (unscale and
+    clip them), then step without a second allreduce. Clipping or unscaling before
+    `synchronize` would act on each rank's local gradient.
+
+    With `check_finite`, returns False (and leaves the weights alone) when the
+    gradients hold NaN or Inf. They are the same on every rank after the allreduce,
+    and a NaN on one rank reaches all, so every rank decides the same way.
+    """
+    if not engine.synchronize(optimizer):
+        # Adasum: each rank stepped on its own gradients during backward and `step` combines
+        # the updates, so only the combined weights are the same everywhere: check those.
+        precision.step(optimizer)
+        optimizer.zero_grad()
+        return not check_finite or _all_finite([p.detach() for p in model.parameters()])
+    precision.unscale(optimizer)  # dist: gradients are now the average over ranks
+    finite = True
+    if check_finite and precision.scaler is None:  # the fp16 scaler makes this check itself
+        finite = _all_finite([p.grad for p in model.parameters() if p.grad is not None])
+    if finite:
+        if clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        with engine.skip_synchronize(optimizer):
+            precision.step(optimizer)
+    optimizer.zero_grad()  # set_to_none by default; Horovod's override takes no arguments
+    return finite
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    return bool(torch.stack(torch._foreach_norm(tensors)).isfinite().all()) if tensors else True
+
+
+def forward_backward(model: nn.Module, task: Task, batch: Any, precision: Precision = FULL_PRECISION,
+                     accumulate: int = 1) -> torch.Tensor:
+    """One (micro-)batch's loss and backward pass; returns the loss, detached."""
+    with precision.autocast():
+        loss = training_loss(task, model, batch)
+    precision.backward(loss / accumulate)  # dist: Horovod allreduces after `accumulate` passes
+    return loss.detach()
+
+
+def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engine, task: Task, batches: Iterable,
+                *, first_step: int, learning_rate: Callable[[int], float], accumulate: int = 1,
+                clip_grad_norm: Optional[float] = None, precision: Precision = FULL_PRECISION,
+                channels_last: bool = False, nonfinite: str = "error",
+                on_step: Callable[[int, torch.Tensor], None] | None = None) -> tuple[EpochResult, int]:
+    """Trains on every batch; returns the epoch's reduced loss and the next step number."""
+    model.train()
+    device = engine.device
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    samples = kept = skipped = 0
+    step = first_step
+    window_losses: list[torch.Tensor] = []  # this step's micro-batch losses, to name a bad rank
+    window_samples = 0
+    for index, batch in enumerate(batches):
+        if index % accumulate == 0:  # before the forward: Adasum steps inside backward
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step)
+        batch = to_device(batch, device, channels_last)
+        size = batch_size(batch)
+        loss = forward_backward(model, task, batch, precision, accumulate)
+        window_losses.append(loss * size)
+        window_samples += size
+        if (index + 1) % accumulate == 0:
+            if apply_gradients(model, optimizer, engine, clip_grad_norm, precision, check_finite=True):
+                loss_sum += torch.stack(window_losses).sum()
+                kept += window_samples
+            elif nonfinite == "skip":
+                skipped += 1
+            else:
+                _stop_on_nonfinite(engine, step, torch.stack(window_losses).sum())
+            samples += window_samples
+            window_losses, window_samples = [], 0
+            step += 1
+            if on_step is not None:
+                on_step(step, loss)
+    totals = engine.allreduce_sum(
+        torch.stack([loss_sum, loss_sum.new_tensor(samples), loss_sum.new_tensor(kept)]).cpu(), "train_loss")
+    return EpochResult(float(totals[0]) / max(1, int(totals[2])), int(totals[1]), skipped), step
+
+
+def _stop_on_nonfinite(engine: Engine, step: int, local_loss: torch.Tensor) -> None:
+    """Every rank gets here at the same step; name the ranks whose own loss was not finite."""
+    from hvdtrain.errors import TrainingStopped
+
+    losses = engine.allgather_object(float(local_loss), "nonfinite")  # dist
+    bad = [f"rank {rank} (loss {value})" for rank, value in enumerate(losses) if not math.isfinite(value)]
+    where = ", ".join(bad) or "no rank's loss, but the gradients"
+    raise TrainingStopped(
+        f"non-finite loss at step {step + 1} on {where}: training stopped on every rank and the checkpoints "
+        "are kept; lower --lr, clip with --clip-grad-norm, or pass --nonfinite skip to drop such steps")
+
+
+@dataclass
+class EvalResult:
+    metrics: dict[str, float]
+    """Each metric the task reports (`loss` always), over every validation sample."""
+    samples: int
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, engine: Engine, task: Task, batches: Iterable, template: Template,
+             precision: Precision = FULL_PRECISION, channels_last: bool = False) -> EvalResult:
+    """The task's metrics over every validation sample, each counted once across ranks."""
+    model.eval()
+    sums = MetricSums(engine.device, {**template, "_samples": (torch.Size(), torch.Size())})
+    for batch in batches:
+        batch = to_device(batch, engine.device, channels_last)
+        size = batch_size(batch)
+        with precision.autocast():
+            output, target = task.forward(model, batch)
+            metrics = batch_metrics(task, output, target, size)
+        sums.add({**metrics, "_samples": (size, 1)})
+    totals = sums.reduce(engine, "eval")  # dist: sums, so every sample counts exactly once
+    return EvalResult(task.summarize(totals), int(totals["_samples"][0]))

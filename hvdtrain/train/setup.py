@@ -1,0 +1,167 @@
+"""What plain and elastic `fit` build before the first epoch: data, model, optimizer (`build`),
+this rank's batches and learning rate for the current world size (`shard`), the checks of the
+task on one batch and of the data across ranks, and the run directory or checkpoint on rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hvdtrain.config import Config
+from hvdtrain.data.batch import to_device
+from hvdtrain.data.loading import batches, collate_function, data_workers
+from hvdtrain.data.sampler import EvalShardSampler, ShardedBatchSampler
+from hvdtrain.data.sources import DataSplit, build_data
+from hvdtrain.engine import Engine, GradientSync
+from hvdtrain.errors import UserError, message_lines
+from hvdtrain.io.checkpoint import CheckpointStore
+from hvdtrain.io.event_log import StepLog
+from hvdtrain.io.progress import say
+from hvdtrain.io.run_dir import prepare_run_dir
+from hvdtrain.models import ModelShapes
+from hvdtrain.tasks import Task, build_task
+from hvdtrain.tasks.check import FirstBatch, best_metric, check_first_batch
+from hvdtrain.train.precision import Precision
+from hvdtrain.train.schedule import LearningRate
+
+
+@dataclass
+class Run:
+    """Everything built during set-up, identical in shape on every rank."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    task: Task
+    split: DataSplit
+    precision: Precision
+    run_dir: Path | None  # rank 0 only
+    shapes: ModelShapes
+    workers: int = 0
+    collate: Any = None
+    # Set by `check_task`:
+    first: FirstBatch | None = None
+    best: tuple[str, bool] = ("val_loss", False)
+    """(record key of run.best_metric, whether higher is better)."""
+    # Set by `shard`, again whenever the world size changes (elastic training):
+    train_sampler: ShardedBatchSampler | None = None
+    train_batches: Any = None
+    val_batches: Any = None
+    learning_rate: LearningRate | None = None
+    step_log: StepLog | None = None
+
+
+def build(config: Config, engine: Engine) -> Run:
+    """Data, model and optimizer; no collectives, no files."""
+    torch.manual_seed(config.train.seed)  # the same initial weights everywhere, broadcast anyway
+    task = build_task(config.task)
+    split: DataSplit = build_data(config.data, config.train.seed, task.target_key)
+    task.check_data(split.target_dtype, split.target_shape)
+    shapes = ModelShapes(split.input_shape, split.num_classes, task.num_outputs(split.num_classes, split.target_shape))
+    model = shapes.build(config.model).to(engine.device)
+    if config.train.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = engine.wrap_optimizer(
+        _make_optimizer(config, model), model,
+        GradientSync(config.train.accumulate, config.train.compression, config.train.adasum),
+    )
+    # Compiled after wrapping: Horovod's hooks sit on the parameters, which compiling keeps.
+    forward = torch.compile(model) if config.train.compile else model
+    return Run(forward, optimizer, task, split, Precision(config.train.precision, engine.device), None, shapes,
+               workers=data_workers(config.data.num_workers, split.train, engine),
+               collate=collate_function(config.data.collate, config.task.ignore_index, task.target_key))
+
+
+def shard(run: Run, config: Config, engine: Engine) -> None:
+    """This rank's batches and the learning rate for the current world size."""
+    batch, accumulate = config.data.batch_size, config.train.accumulate
+    train_size = len(run.split.train)
+    # dist: each rank takes its slice of every global batch; the same count on every rank.
+    run.train_sampler = ShardedBatchSampler(train_size, batch, engine.rank, engine.size,
+                                            seed=config.train.seed, multiple=accumulate)
+    if len(run.train_sampler) == 0:
+        raise UserError(
+            f"the training set has {train_size} samples, fewer than one optimizer step needs "
+            f"(batch {batch} x {engine.size} processes x accumulate {accumulate}): "
+            "lower --batch-size or --accumulate, or use fewer processes"
+        )
+    val_sampler = EvalShardSampler(len(run.split.val), batch, engine.rank, engine.size)
+    pin = engine.device.type == "cuda"  # pinned host memory lets copies to the GPU overlap compute
+    run.train_batches = batches(run.split.train, run.train_sampler, run.workers, pin, run.collate)
+    run.val_batches = batches(run.split.val, val_sampler, run.workers, pin, run.collate)
+    run.step_log = StepLog(engine, config.run.log_every, batch * accumulate)
+    run.learning_rate = LearningRate.from_config(
+        config.optim, world_size=engine.size, accumulate=accumulate, adasum=config.train.adasum,
+        steps_per_epoch=len(run.train_sampler) // accumulate, epochs=config.train.epochs,
+    )
+
+
+def check_task(run: Run, config: Config, engine: Engine) -> None:
+    """The task and model on one batch before training (no collectives): labels that the model
+    cannot score, a loss that is not a finite scalar, metrics that are not sums and counts."""
+    size = min(config.data.batch_size, len(run.split.train))
+    first = next(iter(batches(run.split.train, [list(range(size))], 0, False, run.collate)))
+    first = to_device(first, engine.device, config.train.channels_last)
+    run.first = check_first_batch(run.task, run.model, first, run.split.held_targets, run.precision)
+    run.best = best_metric(config.run.best_metric, config.run.best_mode, run.task, run.first.reported)
+
+
+def check_same_data(engine: Engine, run: Run) -> None:
+    """Every rank must see the same data set, or ranks would wait on each other forever.
+
+    Each rank builds the data itself (a factory may read per-host files); the batch
+    counts follow from the sizes (the rest of the config is the same everywhere), and a
+    rank with more batches would wait in an allreduce that the others never join.
+    """
+    everyone = engine.allgather_object((len(run.split.train), len(run.split.val)), "data_sizes")  # dist
+    if len(set(everyone)) > 1:
+        listed = ", ".join(f"rank {r}: {train} train / {val} val" for r, (train, val) in enumerate(everyone))
+        raise UserError(f"ranks built data sets of different sizes ({listed}): every rank must build the same "
+                        "data set; hvdtrain shards it by rank itself, so do not shard it in your factory")
+
+
+def _make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
+    cfg = config.optim
+    if cfg.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def start_on_root(config: Config, engine: Engine, run: Run) -> tuple[int, int]:
+    """On rank 0, after every check passed: the run directory, and the checkpoint when
+    resuming. Returns (epoch done, step); (0, 0) elsewhere."""
+    if not engine.is_root:  # dist: rank 0 alone owns the run directory
+        return 0, 0
+    run.run_dir = prepare_run_dir(config.run)
+    return _restore(config, run, run.run_dir) if config.run.resume else (0, 0)
+
+
+def _restore(config: Config, run: Run, run_dir: Path) -> tuple[int, int]:
+    """Loads the newest intact checkpoint into the model and optimizer."""
+    path = CheckpointStore(run_dir).latest_valid(warn=lambda message: say(f"hvdtrain: warning: {message}"))
+    if path is None:
+        raise UserError(f"no intact checkpoint to resume in '{run_dir}/checkpoints': every one is corrupt or "
+                        "missing; start a new run with --overwrite or another --run-dir")
+    state = CheckpointStore.load(path)
+    try:
+        unwrapped(run.model).load_state_dict(state["model"])
+    except RuntimeError as err:
+        raise UserError(f"checkpoint '{path}' does not fit this model: {message_lines(err, 3)}; "
+                        "resume with the model settings it was written with") from err
+    try:
+        run.optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as err:
+        raise UserError(f"checkpoint '{path}' has optimizer state that does not fit optim.name "
+                        f"'{config.optim.name}': {err}") from err
+    run.precision.load_state_dict(state.get("scaler", {}))
+    say(f"hvdtrain: resuming from {path} (epoch {state['epoch']}, step {state['step']})")
+    return int(state["epoch"]), int(state["step"])
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The module itself, without torch.compile's wrapper (checkpoints keep plain names)."""
+    return getattr(model, "_orig_mod", model)
