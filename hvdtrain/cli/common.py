@@ -22,13 +22,15 @@ def with_engine(debug: bool, work: Callable[[Any], Any], **engine_args: Any) -> 
     from hvdtrain.engine import start_engine
 
     engine = start_engine(**engine_args)
+    finished = False
     try:
         work(engine)
+        finished = True
     except Exception as err:
         report_and_exit(err, debug)
         raise
     finally:
-        engine.shutdown()
+        engine.shutdown(finished)
 
 
 def report_and_exit(err: Exception, debug: bool) -> None:

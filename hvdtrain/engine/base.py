@@ -103,8 +103,9 @@ class Engine(ABC):
         """Returns once every rank has arrived."""
 
     @abstractmethod
-    def shutdown(self) -> None:
-        """Releases the engine; collectives are invalid afterwards."""
+    def shutdown(self, finished: bool = False) -> None:
+        """Releases the engine; collectives are invalid afterwards. `finished`: every rank got here
+        after its work succeeded (so a last collective may still be run), not on the way out of a failure."""
 
     def broadcast_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Copies rank 0's optimizer state (as after a resume) to every rank."""
@@ -215,10 +216,10 @@ class WatchedEngine(Engine):
         with self.activity.waiting("barrier"):
             self._barrier()
 
-    def shutdown(self) -> None:
+    def shutdown(self, finished: bool = False) -> None:
         if self._watchdog is not None:
-            self._watchdog.stop()
-        self._shutdown()
+            self._watchdog.stop()  # and joined: its thread must not be inside the engine's calls at exit
+        self._shutdown(finished)
 
     @abstractmethod
     def _synchronize(self, optimizer: torch.optim.Optimizer) -> None: ...
@@ -239,7 +240,7 @@ class WatchedEngine(Engine):
     def _barrier(self) -> None: ...
 
     @abstractmethod
-    def _shutdown(self) -> None: ...
+    def _shutdown(self, finished: bool) -> None: ...
 
 
 class ElasticState(Protocol):

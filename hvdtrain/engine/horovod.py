@@ -159,7 +159,7 @@ class HorovodEngine(WatchedEngine):
     def _barrier(self) -> None:
         hvd.barrier()
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, finished: bool) -> None:
         hvd.shutdown()
 
 

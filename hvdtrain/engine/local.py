@@ -43,5 +43,5 @@ class LocalEngine(Engine):
     def barrier(self) -> None:
         return None
 
-    def shutdown(self) -> None:
+    def shutdown(self, finished: bool = False) -> None:
         return None

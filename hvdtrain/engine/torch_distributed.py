@@ -118,9 +118,14 @@ class TorchEngine(WatchedEngine):
     def _barrier(self) -> None:
         dist.barrier()
 
-    def _shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def _shutdown(self, finished: bool) -> None:
+        if not dist.is_initialized():
+            return
+        if finished:
+            # dist: rank 0 hosts the store; leaving before the others are done with it (their stall
+            # watchdogs publish there) left a rank's thread in a store call at exit: SIGABRT.
+            dist.barrier()
+        dist.destroy_process_group()
 
     def _collective_device(self) -> torch.device:
         return self.device if self.controller == "nccl" else torch.device("cpu")

@@ -26,6 +26,9 @@ _SCOPE = "hvdtrain-activity"
 # A rank that is not the one to report waits this long before it exits itself, so
 # that the reporting rank's line is out before the launcher stops everyone.
 _GRACE_SECONDS = 5.0
+# How long stopping waits for the thread: it is back at once unless a store call is stuck on a rank
+# that is gone (a failing job, which ends non-zero anyway and must not wait for it).
+_STOP_SECONDS = 2.0
 
 
 @dataclass
@@ -112,7 +115,11 @@ class StallWatchdog:
         return self
 
     def stop(self) -> None:
+        """Stops the thread and waits for it: a thread still inside a C++ call (a store's) when the
+        interpreter exits is ended by a forced unwind, which C++ turns into `terminate` (SIGABRT)."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=_STOP_SECONDS)
 
     def _watch(self) -> None:
         interval = max(0.2, min(2.0, self.timeout / 5))
