@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
 # The tools the system tests run for real: a one-node Slurm cluster (slurmd, slurmctld,
 # munge) and container image builds (buildah, podman, debootstrap for a local base
-# image). Debian packages, installed when we are root and they are missing; quick when
-# they are there. Without root or apt the system tests are skipped and say why.
+# image, the CNI plugins for podman's networks). Debian packages, installed when we are
+# root and one is missing; quick when all are there. Each package is checked on its own
+# (dpkg), not by one command standing for the rest: a machine with podman but without,
+# say, its network plugins gets them. Without root or apt the system tests are skipped
+# and say why.
 #
 #   launch/install-cluster-tools.sh
 set -euo pipefail
 
 say() { printf '[cluster-tools] %s\n' "$*"; }
-slurm=(slurmd slurmctld munge slurm-client)
-containers=(buildah podman debootstrap fuse-overlayfs uidmap slirp4netns runc)
+packages=(
+  slurmd slurmctld munge slurm-client
+  buildah podman runc debootstrap fuse-overlayfs uidmap slirp4netns containernetworking-plugins
+)
+installed() { [ "$(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null)" = installed ]; }
 needed=()
-command -v slurmctld >/dev/null || [ -x /usr/sbin/slurmctld ] || needed+=("${slurm[@]}")
-command -v buildah >/dev/null && command -v podman >/dev/null && command -v runc >/dev/null \
-  && { command -v debootstrap >/dev/null || [ -x /usr/sbin/debootstrap ]; } || needed+=("${containers[@]}")
+for package in "${packages[@]}"; do
+  installed "$package" || needed+=("$package")
+done
 if [ ${#needed[@]} -eq 0 ]; then
   exit 0
 fi
@@ -25,3 +31,6 @@ say "installing ${needed[*]}"
 export DEBIAN_FRONTEND=noninteractive
 apt-get install -y -qq --no-install-recommends "${needed[@]}" >/dev/null \
   || { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${needed[@]}" >/dev/null; }
+for package in "${needed[@]}"; do
+  installed "$package" || { echo "install-cluster-tools.sh: $package did not install" >&2; exit 1; }
+done

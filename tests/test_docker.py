@@ -19,21 +19,19 @@ why_not = container_image.available()
 pytestmark = [pytest.mark.system, pytest.mark.multiprocess, pytest.mark.timeout(3000),
               pytest.mark.skipif(why_not is not None, reason=why_not or "")]
 
-TAG = "localhost/hvdtrain:cpu-test"
+TAG = container_image.TAG
 
 
 @pytest.fixture(scope="module")
-def image(tmp_path_factory):
-    root = tmp_path_factory.mktemp("containers")
-    env = container_image.store_env(root / "store")
+def image(request, tmp_path_factory):
+    """The image, from the build that conftest started in the background when the session began."""
+    build = request.config.stash.get(container_image.BUILD, None)
+    if build is None:  # this module alone, e.g. with -p no:... or an explicit node id
+        build = container_image.Build(ROOT, tmp_path_factory.mktemp("containers"))
     started = time.monotonic()
-    container_image.make_base(root, env)
-    based = time.monotonic()
-    log = root / "build.log"
-    done = container_image.build(ROOT, root / "store", env, TAG, log)
-    assert done.returncode == 0, log.read_text()[-5000:]
-    print(f"\nbase image {based - started:.0f} s, build {time.monotonic() - based:.0f} s")  # shown with -s
-    yield env, root
+    env = build.wait()
+    print(f"\nwaited {time.monotonic() - started:.0f} s for the image; {build.log.read_text().strip()}")  # -s shows it
+    yield env, build.root
     subprocess.run(["podman", "rmi", "-f", TAG, container_image.BASE], env=env, capture_output=True, timeout=120)
 
 
@@ -79,8 +77,15 @@ def test_horovodrun_across_two_containers_over_ssh(image, tmp_path):
     try:
         for name in workers:
             subprocess.run(["podman", "run", "-d", "--name", f"{network}-{name}", "--hostname", name, "--network",
-                            network, "--network-alias", name, "-v", f"{keys}:/keys:ro", "-v", f"{runs}:/runs", TAG,
+                            network, "-v", f"{keys}:/keys:ro", "-v", f"{runs}:/runs", TAG,
                             "bash", "-c", start_sshd], env=env, check=True, capture_output=True, timeout=60)
+        # Each host learns the others' names from its hosts file, as on a cluster without DNS: podman's
+        # own name resolution needs a network plugin (CNI's dnsname or aardvark-dns) that hosts may lack.
+        addresses = {name: _address(env, f"{network}-{name}") for name in workers}
+        hosts_lines = "".join(f"{address} {name}\n" for name, address in addresses.items())
+        for name in workers:
+            subprocess.run(["podman", "exec", f"{network}-{name}", "sh", "-c", f"printf '{hosts_lines}' >> /etc/hosts"],
+                           env=env, check=True, capture_output=True, timeout=60)
         time.sleep(2)
         done = subprocess.run(["podman", "exec", f"{network}-w1", "horovodrun", "-np", "2", "-H", "w1:1,w2:1", "-p",
                                "2222", "hvdtrain", "fit", "--epochs", "2", "--progress", "off", "--run-dir",
@@ -93,3 +98,12 @@ def test_horovodrun_across_two_containers_over_ssh(image, tmp_path):
     finally:
         subprocess.run(["podman", "rm", "-f", *(f"{network}-{w}" for w in workers)], env=env, capture_output=True)
         subprocess.run(["podman", "network", "rm", network], env=env, capture_output=True)
+
+
+def _address(env: dict, container: str) -> str:
+    """The container's address on its (only) podman network."""
+    shown = subprocess.run(["podman", "inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}",
+                            container], env=env, check=True, capture_output=True, text=True, timeout=60)
+    address = shown.stdout.strip()
+    assert address, f"{container} has no address on its network"
+    return address
