@@ -9,7 +9,7 @@
 # and NCCL come with torch's wheel): no MPI, no Horovod build, nothing to compile.
 #
 # Environment: PYTHON (interpreter for the venv), TORCH_SPEC (default torch==2.13.0),
-# HVDTRAIN_CACHE (wheel cache, default ~/.cache/hvdtrain).
+# HVDTRAIN_CACHE (wheel cache, default ~/.cache/hvdtrain), HVDTRAIN_WHEELHOUSE (prebuilt wheels).
 #
 # Steps: a virtual environment; torch; for the Horovod engine, OpenMPI from Debian when
 # `mpicxx` is missing and we are root, and Horovod 0.28.1 built with PyTorch, Gloo and MPI
@@ -92,6 +92,12 @@ if [ "$engine" = all ]; then
   py_tag=$("$py" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")')
   flavour="torch${torch_version}-${py_tag}-mpi${with_mpi}-gpu${gpu}"
   wheel_dir="$cache/wheels/horovod-$horovod_version-$flavour"
+  # HVDTRAIN_WHEELHOUSE: read-only wheels laid out as this cache's wheels/ folder (an image
+  # build lent the wheel its host built); used when it holds this flavour.
+  lent="${HVDTRAIN_WHEELHOUSE:-}/horovod-$horovod_version-$flavour"
+  if [ -n "${HVDTRAIN_WHEELHOUSE:-}" ] && ls "$lent"/horovod-*.whl >/dev/null 2>&1; then
+    wheel_dir="$lent"
+  fi
 
   horovod_ok() {
     "$py" - "$with_mpi" <<'PY' 2>/dev/null

@@ -15,6 +15,8 @@ from typing import Iterator
 import pytest
 import torch
 
+import container_image
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -138,11 +140,19 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
         assert diff <= atol, f"{name} differs by {diff}"
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run where a GPU is visible and are skipped elsewhere (CI has none)."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    """GPU tests run where a GPU is visible and are skipped elsewhere (CI has none). The container
+    image's build starts now, in the background, and its tests run last: the build waits on
+    downloads and disks far more than on the CPU, so it costs little beside the other tests."""
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    images = [item for item in items if item.path.name == "test_docker.py"]
+    if images and container_image.available() is None and not config.option.collectonly:
+        items[:] = [item for item in items if item not in images] + images
+        build = container_image.Build(ROOT, config._tmp_path_factory.mktemp("containers"))
+        config.stash[container_image.BUILD] = build
+        config.add_cleanup(build.stop)

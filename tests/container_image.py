@@ -5,7 +5,15 @@ imported into a container store of the test's own (overlay storage in a temporar
 directory, runc as the runtime, container rlimits left as they are: crun and raised
 rlimits fail inside this machine). When the host's pip takes packages from local
 mirrors, the build gets the same pip settings as a build secret and the mirrors as
-read-only volumes, as a user behind a mirror would pass them.
+read-only volumes, as a user behind a mirror would pass them. The Horovod wheel that
+launch/install.sh built on this machine (same Debian, Python, torch and OpenMPI) is handed
+to the build as a wheelhouse, so the image's install.sh installs it instead of compiling
+Horovod a second time.
+
+The build takes minutes and uses little CPU once Horovod is not compiled: `start_build`
+runs it in the background while the rest of the suite runs (conftest starts it).
+
+    python tests/container_image.py REPO ROOT   # what start_build runs: base image, then the build
 """
 
 from __future__ import annotations
@@ -13,7 +21,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
+
+import pytest
 
 TOOLS = ("buildah", "podman", "runc", "debootstrap")
 BASE = "localhost/hvdtrain-base:bookworm"
@@ -90,9 +102,18 @@ def pip_settings(root: Path) -> list[str]:
     return [*args, "--secret", f"id=pip.conf,src={root / 'pip.conf'}"]
 
 
+def wheelhouse() -> list[str]:
+    """buildah arguments that lend the build this machine's Horovod wheels (launch/install.sh's cache)."""
+    cache = Path(os.environ.get("HVDTRAIN_CACHE", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                                / "hvdtrain")) / "wheels"
+    if not any(cache.glob("*/horovod-*.whl")):
+        return []
+    return ["--volume", f"{cache}:/wheelhouse:ro", "--build-arg", "HVDTRAIN_WHEELHOUSE=/wheelhouse"]
+
+
 def build(repo: Path, root: Path, env: dict[str, str], tag: str, log: Path) -> subprocess.CompletedProcess:
     command = ["buildah", "bud", "--isolation", "chroot", "--format", "docker", "-f", "docker/Dockerfile.cpu",
-               "--build-arg", f"BASE_IMAGE={BASE}", *pip_settings(root), "-t", tag, "."]
+               "--build-arg", f"BASE_IMAGE={BASE}", *pip_settings(root), *wheelhouse(), "-t", tag, "."]
     with open(log, "w") as out:
         return subprocess.run(command, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=2400)
 
@@ -101,3 +122,52 @@ def _check(command: list[str], env: dict[str, str], timeout: float, stdin=None) 
     done = subprocess.run(command, env=env, stdin=stdin, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command[:3])} failed: {done.stderr[-2000:]}")
+
+
+TAG = "localhost/hvdtrain:cpu-test"
+BUILD = pytest.StashKey["Build"]()  # the session's build, started by conftest
+
+
+class Build:
+    """The base image and the image of docker/Dockerfile.cpu, built by a background process."""
+
+    def __init__(self, repo: Path, root: Path):
+        self.root = root
+        self.log = root / "build.log"
+        root.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as out:
+            self.process = subprocess.Popen([sys.executable, __file__, str(repo), str(root)], stdout=out,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float = 2400) -> dict[str, str]:
+        """Waits for the build; the store's environment once it succeeded."""
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise RuntimeError(f"the image build took over {timeout} s: {self.log.read_text()[-3000:]}") from None
+        if code != 0:
+            raise RuntimeError(f"the image build failed: {self.log.read_text()[-5000:]}")
+        return store_env(self.root / "store")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def _build_all(repo: Path, root: Path) -> None:
+    env = store_env(root / "store")
+    started = time.monotonic()
+    make_base(root, env)
+    print(f"base image {time.monotonic() - started:.0f} s", flush=True)
+    based = time.monotonic()
+    done = build(repo, root / "store", env, TAG, root / "buildah.log")
+    if done.returncode != 0:
+        print((root / "buildah.log").read_text()[-5000:])
+        sys.exit(1)
+    print(f"build {time.monotonic() - based:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    _build_all(Path(sys.argv[1]), Path(sys.argv[2]))
