@@ -76,15 +76,15 @@ def test_bench_train_scaling_under_horovodrun(tmp_path):
 @requires_launchers
 @pytest.mark.timeout(600)
 def test_make_bench_runs_every_contender_and_writes_the_ratios(tmp_path, monkeypatch):
-    """benchmarks/run.py, one short repeat of both jobs: the tables, the ratios, each contender's share of the
-    ceiling and results.json (not the figures)."""
+    """benchmarks/run.py, one short repeat of one job (the other runs the same commands on another model): the
+    tables, the ratios, each contender's share of the ceiling and results.json (not the figures)."""
     out = tmp_path / "results.json"
     monkeypatch.setenv("BENCH_STEPS", "3")  # 3 steps per epoch: the commands, not the speed
-    done = run([sys.executable, "benchmarks/run.py", "--repeats", "1", "--epochs", "2", "--sampler-size", "100000",
-                "--out", str(out)], timeout=540, cwd=ROOT)
+    done = run([sys.executable, "benchmarks/run.py", "--repeats", "1", "--epochs", "2", "--jobs", "linear",
+                "--sampler-size", "100000", "--out", str(out)], timeout=540, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert list(result["samples_per_s"]) == ["linear", "conv"]
+    assert list(result["samples_per_s"]) == ["linear"]
     assert result["machine"]["controller"] in ("mpi", "gloo")
     lines = done.stdout.splitlines()
     for job, contenders in result["samples_per_s"].items():
@@ -95,5 +95,5 @@ def test_make_bench_runs_every_contender_and_writes_the_ratios(tmp_path, monkeyp
         assert len(shares) == 5 and all(ratios[label] > 0 for label in shares)  # every contender but the ceiling
         for name in contenders:  # its run line and its row in the job's table of medians
             assert sum(line.startswith(f"  run 1/1  {job:<6} {name}") for line in lines) == 1
-            assert sum(line.startswith(name) for line in lines) == 2  # its row in both jobs' tables
+            assert sum(line.startswith(name) for line in lines) == 1  # its row in the job's table
     assert [row["sampler"] for row in result["sampler"]["rows"]] == ["hvdtrain", "torch"]
