@@ -99,3 +99,18 @@ def test_resume_skips_a_truncated_checkpoint(tmp_path, capsys):
     assert f"checkpoint {truncated} is corrupt or truncated" in out
     assert "resuming from" in out and "epoch-0002.pt (epoch 2" in out
     assert [json.loads(line)["epoch"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_resume_drops_a_torn_metrics_line_with_a_warning(tmp_path, capsys):
+    """The machine stopped while metrics.jsonl was being appended to: resume warns and goes on."""
+    args = ["fit", "--data", "random", "--set", "data.samples=256", "--progress", "off", "--engine", "local",
+            "--run-dir", str(tmp_path)]
+    main([*args, "--epochs", "2"])
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"epoch": 3, "epochs": 3, "step": 12, "train_lo')
+    capsys.readouterr()
+    main([*args, "--epochs", "3", "--resume"])
+    captured = capsys.readouterr()
+    assert f"warning: {tmp_path / 'metrics.jsonl'} line 3 is not a whole epoch record" in captured.out
+    assert "Traceback" not in captured.out + captured.err
+    assert [json.loads(line)["epoch"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]

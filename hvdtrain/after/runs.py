@@ -63,12 +63,14 @@ class RunRecord:
 
 def read_run(path: Path) -> RunRecord:
     """A run directory's files; a clear error when `path` is not one."""
+    from hvdtrain.io.run_dir import read_metrics  # imports torch: only when a run is read
+
     if not (path / "config.yaml").is_file():
         raise UserError(f"'{path}' is not a run directory (it has no config.yaml): pass the --run-dir of a fit")
     try:
         config = yaml.safe_load((path / "config.yaml").read_text()) or {}
         metrics = path / "metrics.jsonl"
-        epochs = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.is_file() else []
+        epochs = read_metrics(metrics)
         summary_file = path / "summary.json"
         summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
     except (ValueError, yaml.YAMLError) as err:

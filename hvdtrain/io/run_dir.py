@@ -14,7 +14,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -25,6 +25,27 @@ from hvdtrain.errors import UserError
 from hvdtrain.io.event_log import EventLog
 
 TIMELINE = "horovod-timeline.json"
+METRICS = "metrics.jsonl"
+
+
+def read_metrics(path: Path, warn: Callable[[str], None] = lambda message: None) -> list[dict[str, Any]]:
+    """The epoch records of a metrics.jsonl. A line that is not a whole record (the machine stopped
+    mid-write) is dropped, and `warn` hears which: the epoch it records is trained again on resume."""
+    if not path.is_file():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("epoch"), int):
+            warn(f"{path} line {number} is not a whole epoch record (cut short when the run stopped?): dropped")
+            continue
+        records.append(record)
+    return records
 
 
 def prepare_run_dir(cfg: RunConfig) -> Path:
@@ -76,7 +97,7 @@ class RunFiles:
         atomic_write(self.path / "config.yaml", lambda handle: handle.write(text.encode()))
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as handle:
+        with open(self.path / METRICS, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
         if self.events is not None:
             self.events.epoch(record)
@@ -89,20 +110,18 @@ class RunFiles:
         if self.events is not None:
             self.events.close()
 
-    def truncate_metrics(self, after_epoch: int) -> None:
-        """On resume: drops records of epochs after the checkpoint, which are replayed."""
-        path = self.path / "metrics.jsonl"
+    def truncate_metrics(self, after_epoch: int, warn: Callable[[str], None] = lambda message: None) -> None:
+        """On resume: drops records of epochs after the checkpoint, which are replayed, and torn lines."""
+        path = self.path / METRICS
         if not path.exists():
             return
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["epoch"] <= after_epoch]
-        text = "".join(line + "\n" for line in kept)
+        kept = [record for record in read_metrics(path, warn) if record["epoch"] <= after_epoch]
+        text = "".join(json.dumps(record) + "\n" for record in kept)
         atomic_write(path, lambda handle: handle.write(text.encode()))
 
     def best_record(self, key: str, higher_is_better: bool) -> dict[str, Any]:
         """The epoch record with the best `key` in metrics.jsonl (ties: the later epoch)."""
-        path = self.path / "metrics.jsonl"
-        records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
-        return best_entry(records, key, higher_is_better) or {}
+        return best_entry(read_metrics(self.path / METRICS), key, higher_is_better) or {}
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         text = json.dumps(summary, indent=2) + "\n"

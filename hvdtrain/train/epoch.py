@@ -42,7 +42,7 @@ def open_run_files(config: Config, engine: Engine, run: Run, run_dir: Path, star
     events = EventLog(run_dir, resumed_at_step=start_step) if config.run.tensorboard else None
     files = RunFiles(run_dir, events)
     files.write_config(config.to_dict())
-    files.truncate_metrics(after_epoch=start_epoch)
+    files.truncate_metrics(after_epoch=start_epoch, warn=lambda message: say(f"hvdtrain: warning: {message}"))
     say(f"hvdtrain: run directory {run_dir}  (world size {engine.size}, "
         f"global batch {run.train_sampler.global_batch * config.train.accumulate}, "
         f"{len(run.train_sampler)} batches per rank per epoch)")
