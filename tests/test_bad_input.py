@@ -126,3 +126,12 @@ def test_debug_shows_the_traceback(capsys):
         main(["fit", "--engine", "local", "--data", "imagenet", "--debug"])
     err = capsys.readouterr().err
     assert "Traceback" in err and "hvdtrain: error: unknown data set" in err
+
+
+def test_resume_auto_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--engine", "local", "--run-dir", str(tmp_path), "--resume", "auto"])
+    assert exit_info.value.code == 2
+    assert "--resume auto: '" + str(tmp_path) + "' is not a run directory" in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "mine"

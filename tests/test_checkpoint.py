@@ -114,3 +114,14 @@ def test_resume_drops_a_torn_metrics_line_with_a_warning(tmp_path, capsys):
     assert f"warning: {tmp_path / 'metrics.jsonl'} line 3 is not a whole epoch record" in captured.out
     assert "Traceback" not in captured.out + captured.err
     assert [json.loads(line)["epoch"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_resume_auto_starts_afresh_then_continues(tmp_path, capsys):
+    """For requeued jobs: the same command line starts the run, then continues it."""
+    args = ["fit", "--data", "random", "--set", "data.samples=256", "--progress", "off", "--engine", "local",
+            "--run-dir", str(tmp_path / "run"), "--resume", "auto"]
+    main([*args, "--epochs", "1"])
+    assert "resuming from" not in capsys.readouterr().out
+    main([*args, "--epochs", "2"])
+    assert "resuming from" in capsys.readouterr().out
+    assert [json.loads(line)["epoch"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2]

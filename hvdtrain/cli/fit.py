@@ -61,7 +61,9 @@ _FIT_OPTIONS = [
     click.option("--elastic", is_flag=True, default=None,
                  help="Elastic training (horovodrun --gloo --min-np M --host-discovery-script S)."),
     click.option("--run-dir", help="Run directory (default runs/fit-<date>-<time>)."),
-    click.option("--resume", is_flag=True, default=None, help="Continue from the newest checkpoint in --run-dir."),
+    click.option("--resume", is_flag=False, flag_value="always", default=None, type=click.Choice(["always", "auto"]),
+                 help="Continue from the newest checkpoint in --run-dir; `--resume auto`: continue if it has one, "
+                      "else start there afresh."),
     click.option("--overwrite", is_flag=True, default=None, help="Start afresh in an existing --run-dir."),
     click.option("--progress", type=click.Choice(["auto", "bar", "off"]), help="Rank 0's progress bar."),
     click.option("--log-every", type=int, help="Also log to TensorBoard every N optimizer steps (0: per epoch)."),
@@ -92,6 +94,8 @@ def fit(config_path: str | None, assignments: Sequence[str], engine: str | None,
 
 def _fit_config(config_path: str | None, assignments: Sequence[str], flags: dict[str, Any], engine: str | None = None):
     overrides = dict(parse_assignment(text) for text in assignments)
+    if flags.get("resume") == "always":  # plain --resume
+        flags = {**flags, "resume": True}
     overrides.update({FIT_FLAGS[name]: value for name, value in flags.items() if value is not None})
     if engine is not None:
         overrides["train.engine"] = engine

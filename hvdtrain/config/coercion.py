@@ -50,6 +50,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     if origin is Literal:
         if value not in args and str(value) in args:  # `precision: 32` in YAML is an int
             value = str(value)
+        if bool in map(type, args) and isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"  # a boolean among the choices, given as text
         if value not in args:
             raise UserError(f"config key '{key}' must be one of {', '.join(map(str, args))}; got {value!r}")
         return value

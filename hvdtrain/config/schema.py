@@ -182,8 +182,9 @@ class TrainConfig:
 class RunConfig:
     dir: Optional[str] = None
     """Run directory (default: runs/fit-<date>-<time>). Holds config.yaml, metrics.jsonl, summary.json, checkpoints/."""
-    resume: bool = False
-    """Continue from the newest checkpoint in the run directory."""
+    resume: Literal[False, True, "auto"] = False
+    """Continue from the newest checkpoint in the run directory; `auto`: continue when it has a
+    checkpoint, else start there afresh (for requeued jobs and restart policies)."""
     overwrite: bool = False
     """Start afresh in an existing run directory, deleting what it holds."""
     checkpoint_every: int = 1

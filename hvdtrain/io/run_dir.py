@@ -48,29 +48,39 @@ def read_metrics(path: Path, warn: Callable[[str], None] = lambda message: None)
     return records
 
 
-def prepare_run_dir(cfg: RunConfig) -> Path:
-    """Checks the directory against --resume/--overwrite and makes it ready (rank 0 only)."""
+def prepare_run_dir(cfg: RunConfig) -> tuple[Path, bool]:
+    """Checks the directory against --resume/--overwrite and makes it ready (rank 0 only).
+    Returns it and whether the run goes on from a checkpoint there."""
     if cfg.dir is None:
         if cfg.resume:
-            raise UserError("--resume needs --run-dir: the run directory to continue")
-        return _fresh_default_dir()
+            raise UserError(f"--resume{' auto' if cfg.resume == 'auto' else ''} needs --run-dir: the run directory "
+                            "to continue")
+        return _fresh_default_dir(), False
     path = Path(cfg.dir)
     if path.exists() and not path.is_dir():
         raise UserError(f"run directory '{path}' is a file: choose another --run-dir")
     has_content = path.is_dir() and any(path.iterdir())
-    if cfg.resume:
-        if not any((path / "checkpoints").glob("epoch-*.pt")):
+    has_checkpoints = any((path / "checkpoints").glob("epoch-*.pt"))
+    if cfg.resume == "auto":
+        if has_checkpoints:
+            return path, True
+        if has_content and not (path / "config.yaml").is_file():
+            raise UserError(f"--resume auto: '{path}' is not a run directory (no config.yaml, no checkpoints) but "
+                            "holds files: choose another --run-dir")
+        # a run stopped before its first checkpoint (or never started) starts afresh
+    elif cfg.resume:
+        if not has_checkpoints:
             raise UserError(f"nothing to resume in '{path}': it has no checkpoints; drop --resume to start a new run")
-        return path
+        return path, True
+    elif has_content and not cfg.overwrite:
+        raise UserError(
+            f"run directory '{path}' already holds a run: pass --resume to continue it, "
+            "--overwrite to start it again, or choose another --run-dir"
+        )
     if has_content:
-        if not cfg.overwrite:
-            raise UserError(
-                f"run directory '{path}' already holds a run: pass --resume to continue it, "
-                "--overwrite to start it again, or choose another --run-dir"
-            )
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
-    return path
+    return path, False
 
 
 def _fresh_default_dir() -> Path:

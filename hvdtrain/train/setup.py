@@ -136,8 +136,8 @@ def start_on_root(config: Config, engine: Engine, run: Run) -> tuple[int, int]:
     resuming. Returns (epoch done, step); (0, 0) elsewhere."""
     if not engine.is_root:  # dist: rank 0 alone owns the run directory
         return 0, 0
-    run.run_dir = prepare_run_dir(config.run)
-    return _restore(config, run, run.run_dir) if config.run.resume else (0, 0)
+    run.run_dir, resuming = prepare_run_dir(config.run)
+    return _restore(config, run, run.run_dir) if resuming else (0, 0)
 
 
 def _restore(config: Config, run: Run, run_dir: Path) -> tuple[int, int]:
