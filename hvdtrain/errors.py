@@ -17,6 +17,13 @@ class TrainingStopped(UserError):
     exit_code = 1
 
 
+class StoppedBySignal(Exception):
+    """Every rank stopped at the same step on a signal and a checkpoint was written: one line from
+    rank 0 (not an error), exit status 75 (EX_TEMPFAIL: a requeue script tells it from a failure)."""
+
+    exit_code = 75
+
+
 class FailedAt(Exception):
     """The user's code (a Dataset, the model, the task) raised on this rank mid-run: one line from
     this rank naming where, exit status 1. The original exception is its __cause__."""

@@ -76,6 +76,12 @@ CASES = {
     "best metric the task lacks": (["--set", "run.best_metric=val_f1"],
                                    "run.best_metric 'val_f1' is not a metric of task classification"),
     "adasum with fp16": (["--adasum", "--precision", "fp16"], "'train.adasum' does not work with precision fp16"),
+    "checkpoint interval of zero steps": (["--checkpoint-every-steps", "0"],
+                                          "config key 'run.checkpoint_every_steps' must be at least 1"),
+    "negative checkpoint minutes": (["--checkpoint-every-minutes", "-5"],
+                                    "config key 'run.checkpoint_every_minutes' must be more than 0"),
+    "unknown stop signal": (["--stop-signals", "SIGTERM,SIGFOO"], "'SIGFOO' is not a signal that can be caught"),
+    "uncatchable stop signal": (["--stop-signals", "KILL"], "'KILL' is not a signal that can be caught"),
 }
 
 

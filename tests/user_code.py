@@ -351,3 +351,36 @@ class F1WithoutDirection(_CrossEntropy):
 
     def metrics(self, output, target):
         return {"hits": ((output.argmax(1) == target).sum(), len(target))}
+
+
+class _SignalsItself(nn.Module):
+    """The built-in MLP (with dropout, so that a resume is exact only with the random states restored)
+    that, given HVDTRAIN_TEST_SIGNAL=RANK:N:SIGNAL, sends SIGNAL to its own process in its Nth training
+    forward pass on that rank (RANK `all`: every rank), as a scheduler would at that moment.
+    HVDTRAIN_TEST_DROPOUT sets the dropout (0: none, for runs compared across world sizes)."""
+
+    def __init__(self, inner: nn.Module):
+        import os
+
+        super().__init__()
+        self.inner, self.dropout, self.forwards = inner, nn.Dropout(float(os.environ.get("HVDTRAIN_TEST_DROPOUT", 0.2))), 0
+        rank, count, name = (os.environ.get("HVDTRAIN_TEST_SIGNAL", "") or "-1:0:SIGTERM").split(":")
+        self.signal_at = int(count) if rank in ("all", str(_rank())) else None
+        self.signal_name = name
+
+    def forward(self, x):
+        if self.training:
+            import os
+            import signal
+
+            self.forwards += 1
+            if self.forwards == self.signal_at:
+                os.kill(os.getpid(), getattr(signal, self.signal_name))
+        return self.inner(self.dropout(x))
+
+
+def signals_itself(input_shape, num_classes):
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.models import build_model
+
+    return _SignalsItself(build_model(ModelConfig(name="mlp"), input_shape, num_classes))

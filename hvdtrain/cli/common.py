@@ -36,10 +36,14 @@ def with_engine(debug: bool, work: Callable[[Any], Any], **engine_args: Any) -> 
 def report_and_exit(err: Exception, debug: bool) -> None:
     """Exits with one line for a user error or another rank's failure; returns for anything else."""
     from hvdtrain.engine import RankFailed, launcher_rank
-    from hvdtrain.errors import FailedAt
+    from hvdtrain.errors import FailedAt, StoppedBySignal
 
     if isinstance(err, UserError):
         fail(str(err), err.exit_code, debug)
+    if isinstance(err, StoppedBySignal):
+        if (launcher_rank() or 0) == 0:  # dist: rank 0 says where every rank stopped
+            click.echo(f"hvdtrain: {err}", err=True)
+        sys.exit(err.exit_code)
     if isinstance(err, FailedAt):  # only the failing rank knows why: it says so itself
         fail(str(err), err.exit_code, debug, every_rank=True)
     if isinstance(err, RankFailed):

@@ -23,6 +23,8 @@ FIT_FLAGS = {
     "compression": "train.compression", "adasum": "train.adasum", "device": "train.device",
     "threads": "train.threads", "precision": "train.precision", "channels_last": "train.channels_last",
     "compile": "train.compile", "nonfinite": "train.nonfinite", "num_workers": "data.num_workers", "run_dir": "run.dir", "resume": "run.resume",
+    "checkpoint_every_steps": "run.checkpoint_every_steps", "checkpoint_every_minutes": "run.checkpoint_every_minutes",
+    "stop_signals": "run.stop_signals",
     "overwrite": "run.overwrite", "progress": "run.progress", "elastic": "train.elastic",
     "log_every": "run.log_every", "tensorboard": "run.tensorboard", "horovod_timeline": "run.horovod_timeline",
 }
@@ -65,6 +67,10 @@ _FIT_OPTIONS = [
                  help="Continue from the newest checkpoint in --run-dir; `--resume auto`: continue if it has one, "
                       "else start there afresh."),
     click.option("--overwrite", is_flag=True, default=None, help="Start afresh in an existing --run-dir."),
+    click.option("--checkpoint-every-steps", type=int, help="Also checkpoint every N optimizer steps inside an epoch."),
+    click.option("--checkpoint-every-minutes", type=float, help="Also checkpoint inside an epoch every M minutes."),
+    click.option("--stop-signals", metavar="SIGTERM,...",
+                 help="Signals that stop every rank at one step with a checkpoint (exit 75); '' for none."),
     click.option("--progress", type=click.Choice(["auto", "bar", "off"]), help="Rank 0's progress bar."),
     click.option("--log-every", type=int, help="Also log to TensorBoard every N optimizer steps (0: per epoch)."),
     click.option("--tensorboard/--no-tensorboard", default=None, help="TensorBoard event files in the run directory (default on)."),

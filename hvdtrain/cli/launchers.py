@@ -15,6 +15,8 @@ import re
 import signal
 import sys
 
+STOPPED = 75  # every rank stopped on a signal with a checkpoint (hvdtrain.errors.StoppedBySignal)
+
 
 def horovodrun() -> None:
     from horovod.runner.launch import run_commandline
@@ -30,6 +32,8 @@ def horovodrun() -> None:
             print(f"horovodrun: {message}", file=sys.stderr, flush=True)
             sys.exit(1)
         worker, code = found.group(1), int(found.group(2))
+        if code == STOPPED:  # rank 0 has said where every rank stopped
+            sys.exit(code)
         print(f"horovodrun: worker {worker} {_describe_exit(code)}; the other workers were stopped",
               file=sys.stderr, flush=True)
         sys.exit(code if code > 0 else 1)
@@ -56,6 +60,8 @@ def torchrun() -> None:
         run(args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
+        if failure.exitcode == STOPPED:
+            sys.exit(STOPPED)
         print(f"torchrun: worker rank {rank} {_describe_exit(failure.exitcode)}; the other workers were stopped",
               file=sys.stderr, flush=True)
         sys.exit(failure.exitcode if failure.exitcode > 0 else 1)

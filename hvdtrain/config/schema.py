@@ -189,6 +189,16 @@ class RunConfig:
     """Start afresh in an existing run directory, deleting what it holds."""
     checkpoint_every: int = 1
     """Write a checkpoint every this many epochs (the last epoch always gets one)."""
+    checkpoint_every_steps: Optional[int] = None
+    """Also write a checkpoint every this many optimizer steps inside an epoch (unset: at epoch ends
+    only). `--resume` goes on from it at the exact sample, on any number of processes."""
+    checkpoint_every_minutes: Optional[float] = None
+    """Also write a checkpoint inside an epoch once this many minutes have passed since the last one
+    (rank 0's clock; unset: off). dist: every rank learns it in the per-step stop check."""
+    stop_signals: str = "SIGTERM,SIGINT,SIGUSR1"
+    """Signals (comma-separated; empty: none) that make every rank stop at the same optimizer step,
+    write a checkpoint there and exit with status 75 (continue with --resume). A second one ends the
+    process at once. dist: a signal to any one rank stops them all; one tiny allreduce per step."""
     keep_last: int = 3
     """Keep this many newest checkpoints (and the best one as well)."""
     best_metric: str = "auto"
@@ -210,6 +220,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         _require(self.log_every >= 0, "run.log_every", f"must be 0 (per epoch) or more, got {self.log_every}")
         _require(self.checkpoint_every >= 1, "run.checkpoint_every", f"must be at least 1, got {self.checkpoint_every}")
+        _require(self.checkpoint_every_steps is None or self.checkpoint_every_steps >= 1, "run.checkpoint_every_steps",
+                 f"must be at least 1 (leave it unset for checkpoints at epoch ends only), got {self.checkpoint_every_steps}")
+        _require(self.checkpoint_every_minutes is None or self.checkpoint_every_minutes > 0,
+                 "run.checkpoint_every_minutes",
+                 f"must be more than 0 (leave it unset for no timed checkpoints), got {self.checkpoint_every_minutes}")
+        signal_numbers(self.stop_signals)  # names each unknown one
         _require(self.keep_last >= 1, "run.keep_last", f"must be at least 1, got {self.keep_last}")
         _require(not (self.resume and self.overwrite), "run.resume", "and run.overwrite exclude each other: pick one")
         _require(self.best_metric.strip() != "", "run.best_metric", "must name a metric, e.g. val_loss, or be auto")
@@ -255,6 +271,21 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def signal_numbers(names: str) -> list[int]:
+    """The signals named in run.stop_signals (SIGTERM or TERM, any case), in order."""
+    import signal
+
+    numbers = []
+    for name in filter(None, (part.strip().upper() for part in names.split(","))):
+        full = name if name.startswith("SIG") else f"SIG{name}"
+        number = getattr(signal, full, None)
+        if not isinstance(number, signal.Signals) or full in ("SIGKILL", "SIGSTOP") or full.startswith("SIG_"):
+            raise UserError(f"config key 'run.stop_signals': '{name}' is not a signal that can be caught: use names "
+                            "such as SIGTERM, SIGINT, SIGUSR1, SIGUSR2, comma-separated (empty: none)")
+        numbers.append(int(number))
+    return numbers
 
 
 def _require(condition: bool, key: str, message: str) -> None:

@@ -2,7 +2,8 @@
 
 Layout in the run directory:
     checkpoints/epoch-0003.pt   one per checkpointed epoch (the last K and the best are kept)
-    checkpoints/manifest.json   each kept checkpoint's epoch, step, metrics and sha256
+    checkpoints/epoch-0004-sample-000001280.pt   one written inside epoch 4, 1280 samples into its order
+    checkpoints/manifest.json   each kept checkpoint's epoch, position, step, metrics and sha256
     checkpoints/last.pt         the newest, and best.pt the best by the chosen metric (hard links)
 
 Writes go in an order that a crash at any moment cannot spoil: the checkpoint file
@@ -38,6 +39,11 @@ def best_entry(entries: list[dict[str, Any]], key: str, maximize: bool) -> dict[
     return max(reversed(scored), key=lambda e: sign * e[key])
 
 
+def _order(entry: dict[str, Any]) -> tuple[int, int]:
+    """Where in the run a checkpoint was written: whole epochs, then samples into the next one."""
+    return entry["epoch"], entry.get("position", 0)
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -54,14 +60,19 @@ class CheckpointStore:
         self.maximize = maximize
 
     def save(self, state: dict[str, Any], epoch: int, metrics: dict[str, float]) -> Path:
-        """Writes epoch `epoch`'s checkpoint and records it (rank 0 only)."""
-        path = self.dir / f"epoch-{epoch:04d}.pt"
+        """Writes the checkpoint after `epoch` whole epochs and `state["position"]` samples of the next
+        (0: at the end of an epoch) and records it (rank 0 only)."""
+        position = int(state.get("position", 0))
+        name = f"epoch-{epoch + 1:04d}-sample-{position:09d}.pt" if position else f"epoch-{epoch:04d}.pt"
+        path = self.dir / name
         atomic_write(path, lambda handle: torch.save(state, handle))
-        entry = {"file": path.name, "epoch": epoch, "step": state["step"], "sha256": sha256_of(path), **metrics}
-        entries = [e for e in self._entries() if e["epoch"] < epoch] + [entry]
+        entry = {"file": path.name, "epoch": epoch, "position": position, "step": state["step"],
+                 "sha256": sha256_of(path), **metrics}
+        # Entries past this one are from a run that went further before it was resumed from here: replaced.
+        entries = [e for e in self._entries() if _order(e) < _order(entry)] + [entry]
         best = best_entry(entries, self.best_metric, self.maximize) or entries[-1]
         recent = entries[-self.keep_last:]
-        kept = sorted(recent + ([] if best in recent else [best]), key=lambda e: e["epoch"])
+        kept = sorted(recent + ([] if best in recent else [best]), key=_order)
         manifest = {"best_metric": self.best_metric, "maximize": self.maximize, "best": best["file"],
                     "checkpoints": kept}
         text = json.dumps(manifest, indent=2) + "\n"
@@ -117,7 +128,7 @@ class CheckpointStore:
         if not path.is_file():
             return []
         try:
-            return sorted(json.loads(path.read_text())["checkpoints"], key=lambda e: e["epoch"])
+            return sorted(json.loads(path.read_text())["checkpoints"], key=_order)
         except (ValueError, KeyError):
             return []  # unreadable: fall back to loading the files themselves
 

@@ -33,12 +33,13 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
     # sync: no collective may happen before it, so set-up errors are held until then.
     error: Exception | None = None
     run: Run | None = None
-    start_epoch = step = 0
+    start_epoch = step = position = 0
     try:
         run = build(config, engine)
         shard(run, config, engine)  # the same checks as without --elastic
         check_task(run, config, engine)
-        start_epoch, step = start_on_root(config, engine, run)
+        start = start_on_root(config, engine, run)
+        start_epoch, step, position = start.epoch, start.step, start.position
     except Exception as err:  # noqa: BLE001 - reported on every rank by settle
         error = err
     if error is not None:
@@ -51,7 +52,7 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
 
     state = engine.elastic_state(
         run.model, run.optimizer, before_sync,
-        epoch=start_epoch, step=step, position=0, run_dir=str(run.run_dir), scaler=run.precision.state_dict(),
+        epoch=start_epoch, step=step, position=position, run_dir=str(run.run_dir), scaler=run.precision.state_dict(),
         start_epoch=start_epoch, record=None, train_seconds=0.0, train_samples=0,
     )
     sizes: list[int] = []  # the world size of each attempt

@@ -14,13 +14,14 @@ import torch
 
 from hvdtrain.config import Config
 from hvdtrain.engine import Engine, RankFailed
-from hvdtrain.errors import FailedAt, UserError, message_lines, where
+from hvdtrain.errors import FailedAt, StoppedBySignal, UserError, message_lines, where
 from hvdtrain.io.checkpoint import CheckpointStore
 from hvdtrain.io.event_log import EventLog
 from hvdtrain.io.progress import EpochProgress, epoch_line, say
 from hvdtrain.io.run_dir import RunFiles
-from hvdtrain.train.loop import evaluate, train_epoch
-from hvdtrain.train.setup import Run, unwrapped
+from hvdtrain.train.loop import EpochSums, evaluate, train_epoch
+from hvdtrain.train.preemption import StepCheck, rng_state, set_rng_state
+from hvdtrain.train.setup import Run, Start, unwrapped
 
 
 @dataclass
@@ -51,13 +52,28 @@ def open_run_files(config: Config, engine: Engine, run: Run, run_dir: Path, star
 
 def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, totals: Totals,
               files: RunFiles | None, store: CheckpointStore, stream: Any, *, start: int = 0,
-              after_step: Callable[[int], None] | None = None) -> int:
+              after_step: Callable[[int], None] | None = None, check: StepCheck | None = None,
+              resumed: Start | None = None) -> int:
     """Trains one epoch (from global position `start`), evaluates, and on rank 0 records it
-    and checkpoints. Returns the next step number."""
-    _seed(config.train.seed, epoch, engine.rank)
+    and checkpoints. Returns the next step number. `check` decides after each step whether to
+    checkpoint inside the epoch and whether to stop; `resumed`: the mid-epoch checkpoint this
+    epoch goes on from (its sums and random states)."""
+    sums = EpochSums()
+    if resumed is not None:
+        if engine.is_root:  # dist: the reduced sums once, on one rank
+            sums = EpochSums(*resumed.sums)
+        if resumed.rng is not None and len(resumed.rng) == engine.size:
+            set_rng_state(resumed.rng[engine.rank])  # dist: each rank's own, exactly where it stopped
+        else:  # another world size: each rank's randomness is its own anyway
+            _seed(config.train.seed, epoch, engine.rank)
+    else:
+        _seed(config.train.seed, epoch, engine.rank)
     run.train_sampler.set_epoch(epoch, start)  # dist: a new shuffle, the same on every rank
     epochs = config.train.epochs
-    progress = EpochProgress(stream, epoch, epochs, len(run.train_sampler) // config.train.accumulate, step)
+    steps = len(run.train_sampler) // config.train.accumulate
+    per_step = run.train_sampler.global_batch * config.train.accumulate  # dist: samples of all ranks per step
+    progress = EpochProgress(stream, epoch, epochs, steps, step)
+    first_step = step
 
     position = [f"epoch {epoch}, step {step + 1}"]  # where a failure of the user's code is reported
 
@@ -70,6 +86,15 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
             files.log_steps(done, logged)
         if after_step is not None:
             after_step(done)
+        if check is not None:
+            write, stop = check(done, last_of_epoch=done - first_step == steps)
+            if write:
+                at = start + (done - first_step) * per_step
+                _mid_epoch_checkpoint(run, config, engine, store, epoch, done, at, sums)
+            if stop is not None:
+                progress.close()
+                raise StoppedBySignal(f"stopped by {stop} at epoch {epoch}, step {done:,}: checkpoint written; "
+                                      "continue with --resume")
 
     engine.at(f"epoch {epoch}, training from step {step}")
     epoch_start = time.perf_counter()
@@ -78,7 +103,8 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
             run.model, run.optimizer, engine, run.task, run.train_batches,
             first_step=step, learning_rate=run.learning_rate, accumulate=config.train.accumulate,
             clip_grad_norm=config.optim.clip_grad_norm, precision=run.precision,
-            channels_last=config.train.channels_last, nonfinite=config.train.nonfinite, on_step=on_step,
+            channels_last=config.train.channels_last, nonfinite=config.train.nonfinite, sums=sums,
+            on_step=on_step,
         )
         seconds = time.perf_counter() - epoch_start
         progress.close()
@@ -101,15 +127,47 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
     if files is not None:
         files.append_metrics(totals.record)
         say(epoch_line(totals.record))
-        if epoch % config.run.checkpoint_every == 0 or epoch == epochs:
-            store.save(_checkpoint_state(run, config, engine, epoch, step), epoch, metrics)
+    if epoch % config.run.checkpoint_every == 0 or epoch == epochs:
+        _save_together(engine, store, lambda: (_checkpoint_state(run, config, engine, epoch, step), epoch, metrics))
     return step
+
+
+def _mid_epoch_checkpoint(run: Run, config: Config, engine: Engine, store: CheckpointStore, epoch: int, step: int,
+                          position: int, sums: EpochSums) -> None:
+    """Every rank at the same step: the sums so far reduced over ranks, each rank's random states,
+    then rank 0 writes (the others wait for it to say whether it could)."""
+    local = torch.stack([torch.as_tensor(sums.loss, dtype=torch.float64).cpu(),
+                         torch.tensor(float(sums.samples), dtype=torch.float64),
+                         torch.tensor(float(sums.kept), dtype=torch.float64)])
+    reduced = engine.allreduce_sum(local, "checkpoint_sums").tolist()  # dist
+    states = engine.allgather_object(rng_state(), "checkpoint_rng")  # dist: rank r's at index r
+
+    def state() -> tuple[dict[str, Any], int, dict[str, float]]:
+        saved = _checkpoint_state(run, config, engine, epoch - 1, step)
+        saved.update(position=position, sums=[reduced[0], int(reduced[1]), int(reduced[2]), sums.skipped],
+                     rng=states)
+        return saved, epoch - 1, {}
+
+    _save_together(engine, store, state)
+
+
+def _save_together(engine: Engine, store: CheckpointStore, make: Callable[[], tuple[dict[str, Any], int, dict]]) -> None:
+    """Rank 0 writes a checkpoint; a failure to write (a full disk) stops every rank with one line."""
+    with engine.agree("checkpoint"):  # dist: the others wait for rank 0's word
+        if engine.is_root:
+            state, epoch, metrics = make()
+            try:
+                store.save(state, epoch, metrics)
+            except (OSError, RuntimeError) as err:  # torch.save reports a failed write as a RuntimeError
+                reason = err.strerror if isinstance(err, OSError) and err.strerror else message_lines(err)
+                raise UserError(f"could not write a checkpoint into {store.dir}: {reason}; the "
+                                "checkpoints before it are intact: free space, then continue with --resume") from err
 
 
 def _located(err: Exception, engine: Engine, position: str) -> Exception:
     """The user's code failed mid-run on this rank (a Dataset, the model, the task): one line
     naming the rank, where in the run, and where in their code. Other failures pass as they are."""
-    if isinstance(err, (UserError, RankFailed)) or engine.is_engine_signal(err):
+    if isinstance(err, (UserError, RankFailed, StoppedBySignal)) or engine.is_engine_signal(err):
         return err
     located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message_lines(err)}{where(err)}; "
                        "every rank stops (--debug shows the traceback)")

@@ -35,6 +35,18 @@ class EpochResult:
     """Steps dropped for a non-finite loss (nonfinite=skip)."""
 
 
+@dataclass
+class EpochSums:
+    """This rank's training sums so far in the epoch. A mid-epoch checkpoint keeps them reduced over
+    ranks; after a resume rank 0 starts from those and the others from zero, so the epoch's loss
+    still counts every step once, whatever the world size."""
+
+    loss: float | torch.Tensor = 0.0
+    samples: int = 0
+    kept: int = 0
+    skipped: int = 0
+
+
 def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engine,
                     clip_grad_norm: Optional[float], precision: Precision = FULL_PRECISION,
                     check_finite: bool = False) -> bool:
@@ -83,13 +95,14 @@ def forward_backward(model: nn.Module, task: Task, batch: Any, precision: Precis
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engine, task: Task, batches: Iterable,
                 *, first_step: int, learning_rate: Callable[[int], float], accumulate: int = 1,
                 clip_grad_norm: Optional[float] = None, precision: Precision = FULL_PRECISION,
-                channels_last: bool = False, nonfinite: str = "error",
+                channels_last: bool = False, nonfinite: str = "error", sums: EpochSums | None = None,
                 on_step: Callable[[int, torch.Tensor], None] | None = None) -> tuple[EpochResult, int]:
-    """Trains on every batch; returns the epoch's reduced loss and the next step number."""
+    """Trains on every batch; returns the epoch's reduced loss and the next step number. `sums`
+    (updated after each step, before `on_step`) may start where a mid-epoch checkpoint left them."""
     model.train()
     device = engine.device
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    samples = kept = skipped = 0
+    sums = sums if sums is not None else EpochSums()
+    loss_sum = torch.tensor(sums.loss, dtype=torch.float64, device=device)
     step = first_step
     window_losses: list[torch.Tensor] = []  # this step's micro-batch losses, to name a bad rank
     window_samples = 0
@@ -105,19 +118,20 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engi
         if (index + 1) % accumulate == 0:
             if apply_gradients(model, optimizer, engine, clip_grad_norm, precision, check_finite=True):
                 loss_sum += torch.stack(window_losses).sum()
-                kept += window_samples
+                sums.kept += window_samples
             elif nonfinite == "skip":
-                skipped += 1
+                sums.skipped += 1
             else:
                 _stop_on_nonfinite(engine, step, torch.stack(window_losses).sum())
-            samples += window_samples
+            sums.samples += window_samples
             window_losses, window_samples = [], 0
             step += 1
             if on_step is not None:
+                sums.loss = loss_sum  # a tensor until read: reading it would wait for the device
                 on_step(step, loss)
     totals = engine.allreduce_sum(
-        torch.stack([loss_sum, loss_sum.new_tensor(samples), loss_sum.new_tensor(kept)]).cpu(), "train_loss")
-    return EpochResult(float(totals[0]) / max(1, int(totals[2])), int(totals[1]), skipped), step
+        torch.stack([loss_sum, loss_sum.new_tensor(sums.samples), loss_sum.new_tensor(sums.kept)]).cpu(), "train_loss")
+    return EpochResult(float(totals[0]) / max(1, int(totals[2])), int(totals[1]), sums.skipped), step
 
 
 def _stop_on_nonfinite(engine: Engine, step: int, local_loss: torch.Tensor) -> None:

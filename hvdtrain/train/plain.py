@@ -17,6 +17,7 @@ from hvdtrain.io.checkpoint import CheckpointStore
 from hvdtrain.io.progress import bar_stream
 from hvdtrain.io.run_dir import TIMELINE
 from hvdtrain.train.epoch import Totals, finish, open_run_files, run_epoch
+from hvdtrain.train.preemption import StopSignals, StepCheck
 from hvdtrain.train.setup import build, check_same_data, check_task, shard, start_on_root
 
 
@@ -31,21 +32,30 @@ def fit_plain(config: Config, engine: Engine, started: float) -> dict[str, Any]:
     with engine.agree("data"):
         check_same_data(engine, run)
     with engine.agree("resume"):
-        start_epoch, step = start_on_root(config, engine, run)
+        start = start_on_root(config, engine, run)
     run_dir = Path(engine.broadcast_object(str(run.run_dir) if engine.is_root else None, "run_dir"))
-    # dist: every rank starts from rank 0's weights and optimizer state.
+    # dist: every rank starts from rank 0's weights and optimizer state (and gradient scaler).
     engine.broadcast_parameters(run.model)
     engine.broadcast_optimizer_state(run.optimizer)
-    start_epoch, step = engine.broadcast_object((start_epoch, step), "start")
+    start = engine.broadcast_object(start, "start")
+    run.precision.load_state_dict(engine.broadcast_object(run.precision.state_dict(), "scaler"))  # dist: fp16
+    # dist: steps count steps of this run's global batch: on another number of processes the
+    # learning-rate schedule goes on from where the run is in samples, not from the old step count.
+    per_step = run.train_sampler.global_batch * config.train.accumulate
+    step = start.epoch * (len(run.train_sampler) // config.train.accumulate) + start.position // per_step
 
-    totals = Totals(started, start_epoch)
-    files = open_run_files(config, engine, run, run_dir, start_epoch, step)
+    totals = Totals(started, start.epoch)
+    files = open_run_files(config, engine, run, run_dir, start.epoch, step)
     store = CheckpointStore(run_dir, config.run.keep_last, *run.best)
     stream = bar_stream(config.run.progress) if engine.is_root else None  # dist: rank 0 only
     if config.run.horovod_timeline:
         engine.start_timeline(run_dir / TIMELINE)
-    for epoch in range(start_epoch + 1, config.train.epochs + 1):
-        step = run_epoch(run, config, engine, epoch, step, totals, files, store, stream)
+    with StopSignals(config.run.stop_signals) as signals:
+        check = StepCheck(config.run, engine, signals)
+        for epoch in range(start.epoch + 1, config.train.epochs + 1):
+            resumed = start if epoch == start.epoch + 1 and start.position else None
+            step = run_epoch(run, config, engine, epoch, step, totals, files, store, stream,
+                             start=resumed.position if resumed else 0, check=check, resumed=resumed)
     if config.run.horovod_timeline:
         engine.stop_timeline()
     return finish(config, engine, run, run_dir, totals, files)

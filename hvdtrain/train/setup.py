@@ -31,6 +31,20 @@ from hvdtrain.train.schedule import LearningRate
 
 
 @dataclass
+class Start:
+    """Where training begins: `epoch` whole epochs done, then `position` samples into the next one's
+    order (0: at its start). A mid-epoch checkpoint also gives the epoch's sums so far, reduced over
+    ranks, and each rank's random states."""
+
+    epoch: int = 0
+    step: int = 0
+    position: int = 0
+    sums: tuple[float, int, int, int] = (0.0, 0, 0, 0)
+    rng: list[dict[str, Any]] | None = None
+    world_size: int = 0
+
+
+@dataclass
 class Run:
     """Everything built during set-up, identical in shape on every rank."""
 
@@ -131,16 +145,16 @@ def _make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def start_on_root(config: Config, engine: Engine, run: Run) -> tuple[int, int]:
+def start_on_root(config: Config, engine: Engine, run: Run) -> Start:
     """On rank 0, after every check passed: the run directory, and the checkpoint when
-    resuming. Returns (epoch done, step); (0, 0) elsewhere."""
+    resuming. Returns where training begins; the beginning elsewhere."""
     if not engine.is_root:  # dist: rank 0 alone owns the run directory
-        return 0, 0
+        return Start()
     run.run_dir, resuming = prepare_run_dir(config.run)
-    return _restore(config, run, run.run_dir) if resuming else (0, 0)
+    return _restore(config, run, run.run_dir) if resuming else Start()
 
 
-def _restore(config: Config, run: Run, run_dir: Path) -> tuple[int, int]:
+def _restore(config: Config, run: Run, run_dir: Path) -> Start:
     """Loads the newest intact checkpoint into the model and optimizer."""
     path = CheckpointStore(run_dir).latest_valid(warn=lambda message: say(f"hvdtrain: warning: {message}"))
     if path is None:
@@ -158,8 +172,12 @@ def _restore(config: Config, run: Run, run_dir: Path) -> tuple[int, int]:
         raise UserError(f"checkpoint '{path}' has optimizer state that does not fit optim.name "
                         f"'{config.optim.name}': {err}") from err
     run.precision.load_state_dict(state.get("scaler", {}))
-    say(f"hvdtrain: resuming from {path} (epoch {state['epoch']}, step {state['step']})")
-    return int(state["epoch"]), int(state["step"])
+    position = int(state.get("position", 0))
+    inside = f", {position} samples into epoch {state['epoch'] + 1}" if position else ""
+    say(f"hvdtrain: resuming from {path} (epoch {state['epoch']}, step {state['step']}{inside})")
+    sums = state.get("sums", (0.0, 0, 0, 0))
+    return Start(int(state["epoch"]), int(state["step"]), position, tuple(sums), state.get("rng"),
+                 int(state.get("world_size", 0)))
 
 
 def unwrapped(model: nn.Module) -> nn.Module:

@@ -1,0 +1,105 @@
+"""Stopping inside an epoch: signals (SIGTERM from Slurm, Kubernetes or a launcher, SIGUSR1 from
+Slurm's --signal), checkpoints every N steps or M minutes, and the RNG states that make a resume
+from the middle of an epoch exact.
+
+A signal may reach one rank, some or all of them. Each rank only notes it; after every optimizer
+step the ranks add up what they noted in one tiny allreduce, so all of them see the same answer at
+the same step, write the checkpoint there together and stop.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from hvdtrain.config import RunConfig
+from hvdtrain.config.schema import signal_numbers
+from hvdtrain.engine import Engine
+
+
+class StopSignals:
+    """Notes the configured signals instead of dying on them; a second one ends the process as the
+    signal's default would (so a scheduler's or user's insistence still works)."""
+
+    def __init__(self, names: str):
+        self.numbers = signal_numbers(names)
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        for number in self.numbers:
+            self._previous[number] = signal.signal(number, self._note)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def _note(self, number: int, frame: Any) -> None:
+        if self.received is not None:  # the second: die as this signal would
+            signal.signal(number, signal.SIG_DFL)
+            signal.raise_signal(number)
+        self.received = number
+
+
+class StepCheck:
+    """After each optimizer step: whether to write a checkpoint here, and whether to stop after it.
+
+    Every-N-steps checkpoints need no agreement (the step count is the same everywhere); a signal
+    and rank 0's clock do, so they travel in one allreduce per step (only when either is on).
+    """
+
+    def __init__(self, cfg: RunConfig, engine: Engine, signals: StopSignals | None):
+        self.every_steps = cfg.checkpoint_every_steps
+        self.every_seconds = cfg.checkpoint_every_minutes * 60 if cfg.checkpoint_every_minutes else None
+        self.engine, self.signals = engine, signals
+        self.last_checkpoint = time.monotonic()
+        self.agree = bool(signals and signals.numbers) or self.every_seconds is not None
+
+    def __call__(self, step: int, last_of_epoch: bool) -> tuple[bool, str | None]:
+        """(checkpoint now, the signal to stop for or None) at global step `step`."""
+        stop = None
+        due = self.every_steps is not None and step % self.every_steps == 0 and not last_of_epoch
+        if self.agree:
+            numbers = self.signals.numbers if self.signals else []
+            noted = [float(self.signals is not None and self.signals.received == n) for n in numbers]
+            timed = (self.every_seconds is not None and self.engine.is_root
+                     and time.monotonic() - self.last_checkpoint >= self.every_seconds and not last_of_epoch)
+            flags = self.engine.allreduce_sum(torch.tensor([*noted, float(timed)], dtype=torch.float64),
+                                              "stop_check")  # dist: what any rank noted, every rank learns
+            stop = next((signal.Signals(n).name for n, count in zip(numbers, flags.tolist()) if count > 0), None)
+            due = due or bool(flags[-1] > 0)
+        if due or stop:
+            self.last_checkpoint = time.monotonic()
+        return due or stop is not None, stop
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random states (torch, CUDA, numpy, Python), as tensors and numbers only, so a
+    checkpoint holding them still loads with weights_only=True."""
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    saved = state["numpy"]
+    np.random.set_state((saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["position"],
+                         saved["has_gauss"], saved["gauss"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

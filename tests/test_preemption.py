@@ -1,0 +1,150 @@
+"""Stopping on a signal at one optimizer step on every rank, checkpoints inside an epoch, and an
+exact resume from them, for real under horovodrun, mpirun and torchrun on the CPU.
+
+The model (tests/user_code.py `signals_itself`) sends a signal to its own process in a chosen
+training forward pass on a chosen rank, so the moment is known, not guessed from the clock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import LAUNCHERS, assert_same_weights, final_weights, launch_env, requires_launchers, run
+
+pytestmark = [pytest.mark.multiprocess, requires_launchers, pytest.mark.timeout(300)]
+
+# 1600 training samples, a global batch of 2 x 64: 12 steps per epoch. Dropout, so that a resume
+# is exact only if every rank's random state is restored too.
+ARGS = ["--data", "random", "--set", "data.samples=2000", "--set", "data.features=12", "--epochs", "3",
+        "--threads", "1", "--model", "user_code:signals_itself", "--progress", "off"]
+STEPS_PER_EPOCH = 12
+
+
+def fit(launcher: str | None, run_dir: Path, *args: str, signal_at: str | None = None,
+        dropout: str | None = None) -> subprocess.CompletedProcess:
+    """`hvdtrain fit` under the launcher; `signal_at` is HVDTRAIN_TEST_SIGNAL (RANK:N:SIGNAL)."""
+    env = {"HVDTRAIN_TEST_SIGNAL": signal_at or "", "HVDTRAIN_TEST_DROPOUT": dropout or "0.2"}
+    prefix = list(LAUNCHERS[launcher]) if launcher else []
+    if launcher == "mpirun":  # Open MPI passes only the variables it is told to
+        prefix += [arg for name in env for arg in ("-x", name)]
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return run([*prefix, "hvdtrain", "fit", *ARGS, *args, "--run-dir", str(run_dir)])
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    done = fit("horovodrun-gloo", run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def same_records(a: Path, b: Path) -> None:
+    """The same epochs with the same losses and metrics (timings aside)."""
+    keys = ("epoch", "step", "train_loss", "val_loss", "val_acc", "train_samples", "val_samples", "lr")
+    for mine, theirs in zip(records(a), records(b), strict=True):
+        assert {k: mine[k] for k in keys} == pytest.approx({k: theirs[k] for k in keys}, rel=1e-6)
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
+def test_sigterm_to_one_rank_stops_every_rank_at_one_step_and_the_resume_is_exact(launcher, uninterrupted,
+                                                                                    tmp_path):
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    stopped = fit(launcher, run_dir, signal_at=f"1:{STEPS_PER_EPOCH + 8}:SIGTERM")  # epoch 2, step 8 of 12
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 75, output[-3000:]
+    assert time.monotonic() - started < 60
+    assert output.count("hvdtrain: stopped by SIGTERM at epoch 2, step 20: checkpoint written; "
+                        "continue with --resume") == 1, output[-3000:]
+    assert "Traceback" not in output and "hvdtrain: error" not in output, output[-3000:]
+    # The checkpoint holds 8 steps of epoch 2 (8 x 128 samples); the run's epoch 1 record only.
+    assert (run_dir / "checkpoints" / "epoch-0002-sample-000001024.pt").is_file()
+    assert [r["epoch"] for r in records(run_dir)] == [1]
+
+    resumed = fit(launcher, run_dir, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "(epoch 1, step 20, 1024 samples into epoch 2)" in resumed.stdout
+    assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
+    same_records(uninterrupted, run_dir)
+
+
+def test_checkpoints_every_n_steps_resume_on_fewer_and_more_processes(tmp_path):
+    """Stopped inside epoch 2 on 2 processes; resumed on 1 and on 4 with the same global batch: the
+    rest of the epoch is shared by the new ranks, none skipped or seen twice, so the weights are the
+    uninterrupted 2-process run's (up to the order of the sums)."""
+    same_lr = ["--no-scale-lr", "--warmup-epochs", "0"]  # lr scaling follows the world size, not the global batch
+    whole = tmp_path / "whole"
+    assert fit("horovodrun-gloo", whole, *same_lr, dropout="0").returncode == 0
+    stopped = tmp_path / "stopped"
+    done = fit("horovodrun-gloo", stopped, *same_lr, "--checkpoint-every-steps", "5",
+               signal_at=f"0:{STEPS_PER_EPOCH + 7}:SIGUSR1", dropout="0")
+    assert done.returncode == 75, done.stderr[-3000:]
+    names = sorted(p.name for p in (stopped / "checkpoints").glob("epoch-*.pt"))
+    # Every 5 steps (5, 10), epoch 1's end (12), 15 and the stop at 19; the last three are kept (and the
+    # best, epoch 1's, the only one with validation metrics, is among them).
+    assert names == ["epoch-0001.pt", "epoch-0002-sample-000000384.pt", "epoch-0002-sample-000000896.pt"], names
+    for launcher, np_, batch in (("one", 1, "128"), ("mpirun4", 4, "32")):
+        copy = tmp_path / launcher
+        shutil.copytree(stopped, copy)
+        prefix = [] if np_ == 1 else ["mpirun", "-np", "4", "--oversubscribe"]
+        env_args = [] if np_ == 1 else ["-x", "HVDTRAIN_TEST_DROPOUT"]
+        os.environ["HVDTRAIN_TEST_DROPOUT"] = "0"
+        try:
+            resumed = run([*prefix, *env_args, "hvdtrain", "fit", *ARGS, *same_lr, "--batch-size", batch,
+                           "--run-dir", str(copy), "--resume"], timeout=240)
+        finally:
+            os.environ.pop("HVDTRAIN_TEST_DROPOUT")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "896 samples into epoch 2" in resumed.stdout
+        assert_same_weights(final_weights(whole), final_weights(copy), atol=1e-5)
+        assert [r["world_size"] for r in records(copy)] == [2, np_, np_]
+
+
+def test_sigusr1_to_mpirun_reaches_every_rank_and_nothing_is_left_behind(uninterrupted, tmp_path):
+    """Open MPI's mpirun passes SIGUSR1 (Slurm's --signal before a time limit) on to the ranks."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    env = {**launch_env(), "HVDTRAIN_TEST_SIGNAL": "", "HVDTRAIN_TEST_DROPOUT": "0.2"}
+    job = subprocess.Popen([*LAUNCHERS["mpirun"], "-x", "HVDTRAIN_TEST_SIGNAL", "-x", "HVDTRAIN_TEST_DROPOUT",
+                            "hvdtrain", "fit", *ARGS, "--epochs", "10", "--run-dir", str(run_dir)],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (run_dir / "checkpoints" / "epoch-0002.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    launcher = psutil.Process(job.pid)
+    family = [launcher, *launcher.children(recursive=True)]
+    job.send_signal(signal.SIGUSR1)
+    output, _ = job.communicate(timeout=30)
+    assert job.returncode == 75, output[-3000:]
+    assert output.count("hvdtrain: stopped by SIGUSR1 at epoch") == 1, output[-3000:]
+    gone_by = time.monotonic() + 30
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family) and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert state["position"] > 0 and state["epoch"] >= 2  # inside an epoch after the second
+    resumed = fit("mpirun", run_dir, "--resume", "--epochs", "10")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    reference = tmp_path / "reference"
+    assert fit("mpirun", reference, "--epochs", "10").returncode == 0
+    assert_same_weights(final_weights(reference), final_weights(run_dir), atol=1e-6)
