@@ -6,6 +6,11 @@ report of their own under the worker's one-line error; here that report is one l
 too, and the exit status is the worker's. torchrun also takes `hvdtrain` as the program
 (`torchrun --nproc-per-node 2 hvdtrain fit`), which it would otherwise look for as a
 Python file in the current directory.
+
+Both also pass a stop signal (SIGTERM, SIGINT, SIGUSR1, SIGUSR2: a scheduler's, a user's kill or
+Ctrl-C) on to the ranks and wait for them, so that they can stop at one step with a checkpoint:
+horovodrun itself died of SIGTERM and left mpirun and every rank training, and torchrun raised a
+traceback and exited 1. The exit status is then the ranks' (75 after a clean stop).
 """
 
 from __future__ import annotations
@@ -16,11 +21,58 @@ import signal
 import sys
 
 STOPPED = 75  # every rank stopped on a signal with a checkpoint (hvdtrain.errors.StoppedBySignal)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+# A process with one of these is a rank (or a rank's own worker process, which inherits them).
+RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def forward_to_ranks(number: int, frame: object = None) -> None:
+    """Sends the signal to every rank below this launcher (not to mpirun, which would end them
+    itself, nor to shells around them or to their data-loader workers)."""
+    import psutil
+
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if _is_rank(process) and not _is_rank(process.parent()):
+                process.send_signal(number)
+        except psutil.Error:  # gone meanwhile
+            pass
+
+
+class _ExecAsChild:
+    """`os` for Horovod's MPI launch, except that `execve` of mpirun runs it as a child and exits
+    with its status: exec'd in place, a signal to horovodrun reached only the shell it became,
+    which died and left mpirun and the ranks running."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    @staticmethod
+    def execve(path: str, args: list[str], env: dict[str, str]) -> None:
+        import subprocess
+
+        code = subprocess.Popen(args, executable=path, env=env).wait()  # signals meanwhile: forward_to_ranks
+        sys.exit(code if code >= 0 else 128 - code)
+
+
+def _is_rank(process) -> bool:
+    import psutil
+
+    try:
+        # The interpreter, not the name: a rank started as the `hvdtrain` script is named after it.
+        return os.path.basename(process.exe()).startswith("python") and \
+            any(name in process.environ() for name in RANK_VARIABLES)
+    except psutil.Error:
+        return False
 
 
 def horovodrun() -> None:
+    from horovod.runner import mpi_run
     from horovod.runner.launch import run_commandline
 
+    for number in FORWARDED:
+        signal.signal(number, forward_to_ranks)
+    mpi_run.os = _ExecAsChild()  # keeps this process, and its handlers, in front of mpirun
     try:
         sys.exit(run_commandline())
     except RuntimeError as err:
@@ -56,6 +108,13 @@ def torchrun() -> None:
         args.module = True  # python -m hvdtrain: the same program as the `hvdtrain` command
     # torchrun logs each failed worker at ERROR before it raises; the line below says it once.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # torchrun's own handler raises in the agent and then ends the workers; passed on instead, the
+    # signal lets them stop together, and the agent reports their exit as for any other.
+    from torch.distributed.elastic.multiprocessing import api
+
+    api._terminate_process_handler = forward_to_ranks
+    for number in FORWARDED:  # SIGUSR1/2 too, which torchrun leaves to their default: death
+        signal.signal(number, forward_to_ranks)
     try:
         run(args)
     except ChildFailedError as err:
