@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import slurm_cluster
-from conftest import ROOT, launch_env
+from conftest import ROOT, assert_same_weights, final_weights, launch_env
 
 why_not = slurm_cluster.available()
 pytestmark = [pytest.mark.system, pytest.mark.multiprocess, pytest.mark.timeout(600),
@@ -141,3 +141,39 @@ def test_scancel_ends_every_task_and_resume_finishes(cluster):
     assert "resuming from" in log and "epoch 3/3" in log
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["epochs"] == 3 and summary["resumed_from_epoch"] >= 1
+
+
+def test_a_signal_to_the_tasks_requeues_the_job_which_resumes_and_finishes_exactly(cluster, tmp_path):
+    """What Slurm's --signal before the time limit does, at once: scancel --signal=TERM reaches every task,
+    they stop at one step with a checkpoint (exit 75), the script requeues the job, and the job goes on
+    from that checkpoint to the end, with the weights of a run never stopped."""
+    root, env = cluster
+    run_dir = root / "requeued"
+    args = ["--data", "random", "--set", "data.samples=60000", "--set", "data.features=12", "--epochs", "3"]
+    job = _submit(env, root, *args, "--run-dir", str(run_dir))
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "epoch-0001.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    subprocess.run(["scancel", "--signal=TERM", job], env=env, check=True, timeout=10)
+    log = root / f"job-{job}.log"
+    # Slurm holds a requeued job for about two minutes before it may start again (not what is tested):
+    # once it is pending and its first run's slurmstepd has gone, it may start now.
+    deadline = time.monotonic() + 60
+    while _state(env, job) != "PENDING" or subprocess.run(["pgrep", "-f", rf"slurmstepd: \[{job}\."]).returncode == 0:
+        assert time.monotonic() < deadline, f"job {job} not requeued: {_state(env, job)}; {log.read_text()[-3000:]}"
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True, timeout=10)
+    deadline = time.monotonic() + 300
+    while _state(env, job) != "COMPLETED" and time.monotonic() < deadline:
+        assert _state(env, job) not in ("FAILED", "CANCELLED", "TIMEOUT", "GONE"), log.read_text()[-3000:]
+        time.sleep(0.5)
+    text = log.read_text()
+    assert _state(env, job) == "COMPLETED", text[-3000:]
+    assert text.count("hvdtrain: stopped by SIGTERM at epoch") == 1 and f"requeueing job {job} (restart 1)" in text
+    assert re.search(r"resuming from \S+epoch-000\d-sample-\d+\.pt", text), text[-3000:]
+    reference = tmp_path / "reference"
+    done = subprocess.run(["mpirun", "-np", "2", "--oversubscribe", "hvdtrain", "fit", "--progress", "off", *args,
+                           "--threads", "1", "--run-dir", str(reference)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_weights(final_weights(reference), final_weights(run_dir), atol=1e-6)
