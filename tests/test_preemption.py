@@ -87,6 +87,23 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_step_and_the_resume_is_exac
     same_records(uninterrupted, run_dir)
 
 
+def test_fp16_with_accumulation_resumes_exactly_from_a_signal_inside_an_epoch(tmp_path):
+    """The gradient scaler (each rank's, broadcast from rank 0 on resume) and the accumulation window:
+    the stop comes at an optimizer step, between windows, and the resume is exact."""
+    extra = ["--precision", "fp16", "--accumulate", "2"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert fit("horovodrun-gloo", whole, *extra).returncode == 0
+    stopped = fit("horovodrun-gloo", cut, *extra, signal_at="1:30:SIGTERM")  # forward 30: step 15, epoch 3
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "stopped by SIGTERM at epoch 3, step 15" in stopped.stdout + stopped.stderr
+    resumed = fit("horovodrun-gloo", cut, *extra, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(final_weights(whole), final_weights(cut), atol=1e-6)
+    scalers = [torch.load(d / "checkpoints" / "last.pt", weights_only=True)["scaler"] for d in (whole, cut)]
+    assert scalers[0] == scalers[1] and scalers[0]["scale"] > 0
+    same_records(whole, cut)
+
+
 def test_checkpoints_every_n_steps_resume_on_fewer_and_more_processes(tmp_path):
     """Stopped inside epoch 2 on 2 processes; resumed on 1 and on 4 with the same global batch: the
     rest of the epoch is shared by the new ranks, none skipped or seen twice, so the weights are the
