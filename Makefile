@@ -25,9 +25,11 @@ test: install-test
 test-fast: install-test
 	python -m pytest -ra -m "not multiprocess and not system"
 
-## make bench: hvdtrain fit against a hand-written Horovod loop, torchrun DDP and one process.
+## make bench: hvdtrain fit against a hand-written Horovod loop, torchrun DDP and one process;
+## then the cost of the stop check and of checkpoints inside an epoch.
 bench: install-test
 	python benchmarks/run.py
+	python benchmarks/stop_check.py
 
 clean:
 	rm -rf runs .pytest_cache

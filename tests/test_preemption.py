@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.multiprocess, requires_launchers, pytest.mark.timeout(
 # 1600 training samples, a global batch of 2 x 64: 12 steps per epoch. Dropout, so that a resume
 # is exact only if every rank's random state is restored too.
 ARGS = ["--data", "random", "--set", "data.samples=2000", "--set", "data.features=12", "--epochs", "3",
-        "--threads", "1", "--model", "user_code:signals_itself", "--progress", "off"]
+        "--threads", "1", "--model", "user_code:signals_itself", "--progress", "off",
+        "--set", "run.stop_check_seconds=0"]  # check after every step: the stop step is the signal's
 STEPS_PER_EPOCH = 12
 
 

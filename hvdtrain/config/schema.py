@@ -198,7 +198,10 @@ class RunConfig:
     stop_signals: str = "SIGTERM,SIGINT,SIGUSR1"
     """Signals (comma-separated; empty: none) that make every rank stop at the same optimizer step,
     write a checkpoint there and exit with status 75 (continue with --resume). A second one ends the
-    process at once. dist: a signal to any one rank stops them all; one tiny allreduce per step."""
+    process at once. dist: a signal to any one rank stops them all (see stop_check_seconds)."""
+    stop_check_seconds: float = 0.5
+    """dist: about how often, in seconds of training, the ranks check together for a stop signal (one
+    tiny allreduce, at steps rank 0 picks from the step time); 0: after every optimizer step."""
     keep_last: int = 3
     """Keep this many newest checkpoints (and the best one as well)."""
     best_metric: str = "auto"
@@ -226,6 +229,8 @@ class RunConfig:
                  "run.checkpoint_every_minutes",
                  f"must be more than 0 (leave it unset for no timed checkpoints), got {self.checkpoint_every_minutes}")
         signal_numbers(self.stop_signals)  # names each unknown one
+        _require(self.stop_check_seconds >= 0, "run.stop_check_seconds",
+                 f"must be 0 (every step) or more, got {self.stop_check_seconds}")
         _require(self.keep_last >= 1, "run.keep_last", f"must be at least 1, got {self.keep_last}")
         _require(not (self.resume and self.overwrite), "run.resume", "and run.overwrite exclude each other: pick one")
         _require(self.best_metric.strip() != "", "run.best_metric", "must name a metric, e.g. val_loss, or be auto")
