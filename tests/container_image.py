@@ -151,8 +151,8 @@ class Build:
         return store_env(self.root / "store")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
+        if self.process.poll() is None:  # its buildah and tar too: the build runs in a session of its own
+            os.killpg(self.process.pid, 9)
             self.process.wait()
 
 

@@ -134,10 +134,15 @@ def test_debug_shows_the_traceback(capsys):
     assert "Traceback" in err and "hvdtrain: error: unknown data set" in err
 
 
-def test_resume_auto_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
+@pytest.mark.parametrize("with_config", [False, True], ids=["other-files", "a-config-yaml-among-them"])
+def test_resume_auto_refuses_a_directory_that_is_not_a_run(with_config, tmp_path, capsys):
+    """Not even a config.yaml beside them makes someone's folder a run to start afresh in."""
     (tmp_path / "notes.txt").write_text("mine")
+    if with_config:
+        (tmp_path / "config.yaml").write_text("train:\n  epochs: 2\n")
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--engine", "local", "--run-dir", str(tmp_path), "--resume", "auto"])
     assert exit_info.value.code == 2
-    assert "--resume auto: '" + str(tmp_path) + "' is not a run directory" in capsys.readouterr().err
+    assert (f"--resume auto: '{tmp_path}' has no checkpoint to resume and holds files that are not a run's "
+            "(notes.txt)") in capsys.readouterr().err
     assert (tmp_path / "notes.txt").read_text() == "mine"

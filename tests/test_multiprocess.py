@@ -247,7 +247,7 @@ def test_a_finished_torch_engine_run_exits_zero_with_no_thread_left(launcher, tm
     at exit made a rank die of SIGABRT after `done:`, about once in 25 runs), three runs in a row."""
     for attempt in range(3):
         done = run([*python_under(launcher), str(ROOT / "tests/workers/threads_at_exit.py"), "fit", "--engine",
-                    "torch", "--progress", "off", *RANDOM, "--epochs", "1", "--set", "train.stall_timeout=1",
+                    "torch", "--progress", "off", *RANDOM, "--epochs", "1", "--set", "train.stall_timeout=3",
                     "--run-dir", str(tmp_path / f"run{attempt}")])
         output = done.stdout + done.stderr
         assert done.returncode == 0, output[-3000:]

@@ -167,6 +167,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_a_checkpoint_and_leaves_
     deadline = time.monotonic() + 60
     while not (run_dir / "checkpoints" / "epoch-0002.pt").exists() and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert job.poll() is None and (run_dir / "checkpoints" / "epoch-0002.pt").exists(), "should be mid-training"
     launched = psutil.Process(job.pid)
     family = [launched, *launched.children(recursive=True)]
     signalled = time.monotonic()

@@ -10,7 +10,7 @@ from typing import Any, Callable, NoReturn
 
 import click
 
-from hvdtrain.errors import UserError
+from hvdtrain.errors import StoppedBySignal, UserError
 
 
 def with_engine(debug: bool, work: Callable[[Any], Any], **engine_args: Any) -> None:
@@ -27,6 +27,8 @@ def with_engine(debug: bool, work: Callable[[Any], Any], **engine_args: Any) -> 
         work(engine)
         finished = True
     except Exception as err:
+        # Stopped by a signal, every rank at the same step: as orderly an end as a finished run.
+        finished = isinstance(err, StoppedBySignal)
         report_and_exit(err, debug)
         raise
     finally:
@@ -36,7 +38,7 @@ def with_engine(debug: bool, work: Callable[[Any], Any], **engine_args: Any) -> 
 def report_and_exit(err: Exception, debug: bool) -> None:
     """Exits with one line for a user error or another rank's failure; returns for anything else."""
     from hvdtrain.engine import RankFailed, launcher_rank
-    from hvdtrain.errors import FailedAt, StoppedBySignal
+    from hvdtrain.errors import FailedAt
 
     if isinstance(err, UserError):
         fail(str(err), err.exit_code, debug)

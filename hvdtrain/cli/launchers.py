@@ -28,15 +28,28 @@ RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK
 
 def forward_to_ranks(number: int, frame: object = None) -> None:
     """Sends the signal to every rank below this launcher (not to mpirun, which would end them
-    itself, nor to shells around them or to their data-loader workers)."""
+    itself, nor to shells around them or to their data-loader workers). With no rank of its own
+    here (all on other hosts, or none started yet) it goes to the launcher's own children (mpirun,
+    ssh), which end theirs: never swallowed."""
     import psutil
 
-    for process in psutil.Process().children(recursive=True):
+    me = psutil.Process()
+    sent = False
+    for process in me.children(recursive=True):
         try:
-            if _is_rank(process) and not _is_rank(process.parent()):
+            parent = process.parent()
+            # A rank's own workers inherit its variables; the launcher may have them too (srun torchrun).
+            if _is_rank(process) and (parent is None or parent.pid == me.pid or not _is_rank(parent)):
                 process.send_signal(number)
+                sent = True
         except psutil.Error:  # gone meanwhile
             pass
+    if not sent:
+        for process in me.children():
+            try:
+                process.send_signal(number)
+            except psutil.Error:
+                pass
 
 
 class _ExecAsChild:
@@ -67,12 +80,17 @@ def _is_rank(process) -> bool:
 
 
 def horovodrun() -> None:
-    from horovod.runner import mpi_run
+    import threading
+
+    from horovod.runner import gloo_run, mpi_run
     from horovod.runner.launch import run_commandline
 
     for number in FORWARDED:
         signal.signal(number, forward_to_ranks)
     mpi_run.os = _ExecAsChild()  # keeps this process, and its handlers, in front of mpirun
+    # Horovod's Gloo launcher would take SIGINT and SIGTERM over and kill every rank 5 s later,
+    # stopped or not: its shutdown event is left unset, the ranks stop themselves.
+    gloo_run.register_shutdown_event = threading.Event
     try:
         sys.exit(run_commandline())
     except RuntimeError as err:

@@ -64,10 +64,12 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[Path, bool]:
     if cfg.resume == "auto":
         if has_checkpoints:
             return path, True
-        if has_content and not (path / "config.yaml").is_file():
-            raise UserError(f"--resume auto: '{path}' is not a run directory (no config.yaml, no checkpoints) but "
-                            "holds files: choose another --run-dir")
-        # a run stopped before its first checkpoint (or never started) starts afresh
+        foreign = sorted(entry.name for entry in path.iterdir() if not _is_run_file(entry)) if has_content else []
+        if foreign:
+            raise UserError(f"--resume auto: '{path}' has no checkpoint to resume and holds files that are not a "
+                            f"run's ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): choose another "
+                            "--run-dir")
+        # a run stopped before its first checkpoint (or never started): its own files only, replaced
     elif cfg.resume:
         if not has_checkpoints:
             raise UserError(f"nothing to resume in '{path}': it has no checkpoints; drop --resume to start a new run")
@@ -81,6 +83,14 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[Path, bool]:
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     return path, False
+
+
+RUN_FILES = ("config.yaml", METRICS, "summary.json", TIMELINE, "checkpoints", "events.out.tfevents.*")
+
+
+def _is_run_file(entry: Path) -> bool:
+    """Whether `fit` writes a file of this name into a run directory."""
+    return any(entry.match(pattern) for pattern in RUN_FILES)
 
 
 def _fresh_default_dir() -> Path:

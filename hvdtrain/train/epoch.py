@@ -129,6 +129,8 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
         say(epoch_line(totals.record))
     if epoch % config.run.checkpoint_every == 0 or epoch == epochs:
         _save_together(engine, store, lambda: (_checkpoint_state(run, config, engine, epoch, step), epoch, metrics))
+        if check is not None:
+            check.saved()  # the minutes until a timed checkpoint count from this one
     return step
 
 

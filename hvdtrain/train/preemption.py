@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import signal
+import threading
 import time
 from typing import Any
 
@@ -26,14 +27,20 @@ class StopSignals:
     """Notes the configured signals instead of dying on them; a second one ends the process as the
     signal's default would (so a scheduler's or user's insistence still works)."""
 
+    # A repeat within this many seconds is the same delivery reaching this process twice (Slurm
+    # signals every process of a step, and a launcher passes the signal on as well).
+    SAME_DELIVERY_SECONDS = 2.0
+
     def __init__(self, names: str):
         self.numbers = signal_numbers(names)
         self.received: int | None = None
+        self._received_at = 0.0
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopSignals":
-        for number in self.numbers:
-            self._previous[number] = signal.signal(number, self._note)
+        if threading.current_thread() is threading.main_thread():  # Python takes signals there only
+            for number in self.numbers:
+                self._previous[number] = signal.signal(number, self._note)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -41,10 +48,13 @@ class StopSignals:
             signal.signal(number, handler)
 
     def _note(self, number: int, frame: Any) -> None:
-        if self.received is not None:  # the second: die as this signal would
-            signal.signal(number, signal.SIG_DFL)
+        now = time.monotonic()
+        if self.received is not None:
+            if number == self.received and now - self._received_at < self.SAME_DELIVERY_SECONDS:
+                return
+            signal.signal(number, signal.SIG_DFL)  # insisting: die as this signal would
             signal.raise_signal(number)
-        self.received = number
+        self.received, self._received_at = number, now
 
 
 class StepCheck:
@@ -66,7 +76,7 @@ class StepCheck:
         self.last_checkpoint = time.monotonic()
         self.agree = bool(signals and signals.numbers) or self.every_seconds is not None
         self.next_check, self.interval = 0, 1
-        self.last_check = (0, time.monotonic())  # (step, time) of the previous check
+        self.last_check: tuple[int, float] | None = None  # (step, time) of the previous check
 
     def __call__(self, step: int, last_of_epoch: bool) -> tuple[bool, str | None]:
         """(checkpoint now, the signal to stop for or None) at global step `step`."""
@@ -90,12 +100,16 @@ class StepCheck:
             self.last_checkpoint = time.monotonic()
         return due or stop is not None, stop
 
+    def saved(self) -> None:
+        """A checkpoint was written at an epoch's end."""
+        self.last_checkpoint = time.monotonic()
+
     def _interval(self, step: int, now: float) -> int:
         """Steps until the next check: about stop_check_seconds of the steps just measured."""
-        last_step, last_time = self.last_check
-        self.last_check = (step, now)
-        if step <= last_step or self.check_seconds == 0:
-            return 1
+        previous, self.last_check = self.last_check, (step, now)
+        if previous is None or step <= previous[0] or self.check_seconds == 0:
+            return 1  # the first check (after a resume too) only starts the measurement
+        last_step, last_time = previous
         per_step = (now - last_time) / (step - last_step)
         return max(1, min(self.MAX_INTERVAL, int(self.check_seconds / max(per_step, 1e-6))))
 
