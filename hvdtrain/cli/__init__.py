@@ -37,6 +37,17 @@ for command in (fit.fit, fit.plan, after.evaluate, after.predict, after.export_m
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: one clear line from rank 0 for bad input, tracebacks only with --debug."""
+    try:
+        _main(argv)
+    except SystemExit as leaving:
+        engine = sys.modules.get("hvdtrain.engine.torch_distributed")
+        if engine is not None:  # dist: a failing torch-engine rank leaves without tearing its group down
+            code = leaving.code
+            engine.leave_now(code if isinstance(code, int) else 0 if code is None else 1)
+        raise
+
+
+def _main(argv: Sequence[str] | None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     try:

@@ -119,12 +119,18 @@ class TorchEngine(WatchedEngine):
         dist.barrier()
 
     def _shutdown(self, finished: bool) -> None:
+        global _left_standing
         if not dist.is_initialized():
             return
-        if finished:
-            # dist: rank 0 hosts the store; leaving before the others are done with it (their stall
-            # watchdogs publish there) left a rank's thread in a store call at exit: SIGABRT.
-            dist.barrier()
+        if not finished:
+            # dist: on the way out of a failure the others may be gone (rank 0 hosts the store), and
+            # tearing the group down then ended in terminate (SIGABRT, exit 134 instead of the error's
+            # status). The group is left as it is; the command leaves with os._exit (leave_now).
+            _left_standing = True
+            return
+        # dist: rank 0 hosts the store; leaving before the others are done with it (their stall
+        # watchdogs publish there) left a rank's thread in a store call at exit: SIGABRT.
+        dist.barrier()
         dist.destroy_process_group()
 
     def _collective_device(self) -> torch.device:
@@ -243,3 +249,17 @@ def _init_method(one_host: bool) -> str:
     if method == "env://":
         os.environ.setdefault("MASTER_PORT", str(port_for_job()))
     return method
+
+
+_left_standing = False  # a process group that a failing rank did not tear down
+
+
+def leave_now(code: int) -> None:
+    """Ends this process at once with `code` when it left a process group standing: the
+    interpreter's own teardown of it can abort."""
+    if _left_standing:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
