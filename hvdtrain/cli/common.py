@@ -50,14 +50,19 @@ def report_and_exit(err: Exception, debug: bool) -> None:
         fail(str(err), err.exit_code, debug, every_rank=True)
     if isinstance(err, RankFailed):
         fail(str(err), UserError.exit_code if err.kind == "UserError" else 1, debug)
-    from hvdtrain.engine.horovod import is_collective_failure
-
-    if is_collective_failure(err):
+    if _collective_failure(err):
         # Not only rank 0: the rank that sees it says so (the others may be gone already).
         rank = launcher_rank() or 0
         first = str(err).split(". ")[0]
         fail(f"rank {rank}: the job stopped in a collective: {first} (another rank failed or left: its own "
              "line, or the launcher's, names it)", 1, debug, every_rank=True)
+
+
+def _collective_failure(err: Exception) -> bool:
+    """The running engine's word that a collective failed because another rank failed or left
+    (asked of the engines loaded, so a torch-only install never imports Horovod for it)."""
+    engines = (sys.modules.get(name) for name in ("hvdtrain.engine.horovod", "hvdtrain.engine.torch_distributed"))
+    return any(engine is not None and engine.is_collective_failure(err) for engine in engines)
 
 
 def fail(message: str, code: int, debug: bool, every_rank: bool = False) -> NoReturn:

@@ -136,12 +136,19 @@ def torchrun() -> None:
     try:
         run(args)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, failure = _cause(err)
         if failure.exitcode == STOPPED:
             sys.exit(STOPPED)
         print(f"torchrun: worker rank {rank} {_describe_exit(failure.exitcode)}; the other workers were stopped",
               file=sys.stderr, flush=True)
         sys.exit(failure.exitcode if failure.exitcode > 0 else 1)
+
+
+def _cause(err) -> tuple[int, object]:
+    """The failure to name: a worker killed by a signal (SIGKILL, out of memory) comes before the
+    others, whose own errors follow from it (their peer went away); else the first one."""
+    killed = sorted((rank, failure) for rank, failure in err.failures.items() if failure.exitcode < 0)
+    return killed[0] if killed else err.get_first_failure()
 
 
 def _program_index(argv: list[str]) -> int:

@@ -33,6 +33,18 @@ FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
 
 
+# What Gloo's TCP transport says when the rank at the other end of a collective has gone.
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "gloo/transport/tcp")
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """A collective failed because another rank failed or left: torch.distributed's own error
+    types, or the RuntimeError Gloo raises on a surviving rank. Not this rank's fault to report."""
+    if isinstance(err, (dist.DistBackendError, dist.DistNetworkError)):
+        return True
+    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in _PEER_GONE)
+
+
 def _required_facts() -> tuple[int, int, int, int]:
     facts = launcher_facts()
     if facts is None:
@@ -80,7 +92,7 @@ class TorchEngine(WatchedEngine):
         return f"{super().describe()} rendezvous {self.rendezvous}"
 
     def is_engine_signal(self, err: BaseException) -> bool:
-        return isinstance(err, (dist.DistBackendError, dist.DistNetworkError))
+        return is_collective_failure(err)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                        sync: GradientSync) -> torch.optim.Optimizer:
