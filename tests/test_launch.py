@@ -103,3 +103,25 @@ def _launch(script: str, env_extra: dict, tmp_path: Path):
 def test_launch_scripts_pass_arguments_to_fit(script, env, tmp_path):
     summary = _launch(script, env, tmp_path)
     assert summary["world_size"] == 2 and summary["epochs"] == 1
+
+
+def test_torchrun_s_outcome_names_the_killed_worker_and_keeps_a_clean_stop():
+    """torchrun's status and line from its failed workers: a stop (75) on one rank is the job's even when
+    the agent then killed a rank still on its way out; else a worker killed by a signal is named before
+    the others, whose errors follow from it; else the first to fail."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from hvdtrain.cli.launchers import torchrun_outcome
+
+    def failures(*codes: int) -> dict:
+        made = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="/nonexistent")
+                for rank, code in enumerate(codes)}
+        for rank, failure in made.items():
+            failure.timestamp = rank  # rank 0 failed first
+        return made
+
+    assert torchrun_outcome(failures(-15, 75)) == (75, None)
+    assert torchrun_outcome(failures(75, 75)) == (75, None)
+    assert torchrun_outcome(failures(1, -9)) == (1, "worker rank 1 was killed by SIGKILL (exit status -9); "
+                                                    "the other workers were stopped")
+    assert torchrun_outcome(failures(2, 1)) == (2, "worker rank 0 exited with status 2; the other workers were stopped")

@@ -251,8 +251,11 @@ def test_a_finished_torch_engine_run_exits_zero_with_no_thread_left(launcher, tm
                     "--run-dir", str(tmp_path / f"run{attempt}")])
         output = done.stdout + done.stderr
         assert done.returncode == 0, output[-3000:]
-        left = sorted(line for line in done.stderr.splitlines() if "threads at exit:" in line)
-        assert left == ["rank 0 threads at exit: MainThread", "rank 1 threads at exit: MainThread"], output[-3000:]
+        left = sorted(line for line in done.stderr.splitlines() if " threads at " in line)
+        # ... and leaves with os._exit, past the interpreter's teardown of torch.distributed's C++ side,
+        # which still aborted now and then with no thread left (about 1 run in 15 under mpirun on a busy host).
+        assert left == ["rank 0 threads at os._exit: MainThread", "rank 1 threads at os._exit: MainThread"], \
+            output[-3000:]
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun-mpi", "mpirun"])

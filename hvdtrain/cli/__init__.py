@@ -40,11 +40,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         _main(argv)
     except SystemExit as leaving:
-        engine = sys.modules.get("hvdtrain.engine.torch_distributed")
-        if engine is not None:  # dist: a failing torch-engine rank leaves without tearing its group down
-            code = leaving.code
-            engine.leave_now(code if isinstance(code, int) else 0 if code is None else 1)
+        code = leaving.code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)  # as the interpreter would have: sys.exit("message")
+        _leave_torch_engine(code if isinstance(code, int) else 0 if code is None else 1)
         raise
+    _leave_torch_engine(0)
+
+
+def _leave_torch_engine(code: int) -> None:
+    """dist: a torch-engine rank leaves with os._exit, past the interpreter's teardown of the engine."""
+    engine = sys.modules.get("hvdtrain.engine.torch_distributed")
+    if engine is not None:
+        engine.leave_now(code)
 
 
 def _main(argv: Sequence[str] | None) -> None:

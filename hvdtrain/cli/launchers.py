@@ -136,19 +136,26 @@ def torchrun() -> None:
     try:
         run(args)
     except ChildFailedError as err:
-        rank, failure = _cause(err)
-        if failure.exitcode == STOPPED:
-            sys.exit(STOPPED)
-        print(f"torchrun: worker rank {rank} {_describe_exit(failure.exitcode)}; the other workers were stopped",
-              file=sys.stderr, flush=True)
-        sys.exit(failure.exitcode if failure.exitcode > 0 else 1)
+        code, line = torchrun_outcome(err.failures)
+        if line:
+            print(f"torchrun: {line}", file=sys.stderr, flush=True)
+        sys.exit(code)
 
 
-def _cause(err) -> tuple[int, object]:
-    """The failure to name: a worker killed by a signal (SIGKILL, out of memory) comes before the
-    others, whose own errors follow from it (their peer went away); else the first one."""
-    killed = sorted((rank, failure) for rank, failure in err.failures.items() if failure.exitcode < 0)
-    return killed[0] if killed else err.get_first_failure()
+def torchrun_outcome(failures: dict[int, object]) -> tuple[int, str | None]:
+    """torchrun's exit status and its line, from the failed workers' exit codes by rank.
+
+    A rank that stopped (75) did so after every rank had saved and met: the agent's SIGTERM to a rank
+    still on its way out after that cuts nothing short, and is not named. Else a worker killed by a
+    signal (SIGKILL, out of memory) comes before the others, whose own errors follow from it (their
+    peer went away); else the first to fail."""
+    codes = {rank: failure.exitcode for rank, failure in failures.items()}
+    if STOPPED in codes.values():
+        return STOPPED, None
+    killed = sorted(rank for rank, code in codes.items() if code < 0)
+    rank = killed[0] if killed else min(codes, key=lambda r: (failures[r].timestamp, r))
+    code = codes[rank]
+    return code if code > 0 else 1, f"worker rank {rank} {_describe_exit(code)}; the other workers were stopped"
 
 
 def _program_index(argv: list[str]) -> int:

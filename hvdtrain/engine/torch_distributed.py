@@ -131,14 +131,16 @@ class TorchEngine(WatchedEngine):
         dist.barrier()
 
     def _shutdown(self, finished: bool) -> None:
-        global _left_standing
+        global _leave_at_once
         if not dist.is_initialized():
             return
+        # The command leaves with os._exit (leave_now) either way: the interpreter's own teardown of
+        # the C++ side (the store client, Gloo's contexts) ended in terminate now and then (SIGABRT,
+        # exit 134 after a finished run; about 1 run in 15 under mpirun on a busy host).
+        _leave_at_once = True
         if not finished:
             # dist: on the way out of a failure the others may be gone (rank 0 hosts the store), and
-            # tearing the group down then ended in terminate (SIGABRT, exit 134 instead of the error's
-            # status). The group is left as it is; the command leaves with os._exit (leave_now).
-            _left_standing = True
+            # tearing the group down then ended in terminate too. The group is left as it is.
             return
         # dist: rank 0 hosts the store; leaving before the others are done with it (their stall
         # watchdogs publish there) left a rank's thread in a store call at exit: SIGABRT.
@@ -263,15 +265,18 @@ def _init_method(one_host: bool) -> str:
     return method
 
 
-_left_standing = False  # a process group that a failing rank did not tear down
+_leave_at_once = False  # the engine has shut down: the process ends with leave_now
 
 
 def leave_now(code: int) -> None:
-    """Ends this process at once with `code` when it left a process group standing: the
-    interpreter's own teardown of it can abort."""
-    if _left_standing:
+    """Ends this process at once with `code` once the engine has shut down: the interpreter's own
+    teardown of torch.distributed's C++ side can abort. Every file of the run is closed by then;
+    what is left to flush is the standard streams and logging's handlers."""
+    if _leave_at_once:
+        import logging
         import sys
 
+        logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

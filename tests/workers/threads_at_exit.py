@@ -4,7 +4,8 @@
 
 A thread left inside a C++ call (the process group's store) while the interpreter exits is
 ended by a forced unwind that C++ turns into `terminate`: the rank dies of SIGABRT after a
-finished run. At exit only the main thread may be left.
+finished run. At exit only the main thread may be left. A torch-engine rank leaves with os._exit,
+past the interpreter's exit handlers, so the report is made there as well.
 """
 
 import atexit
@@ -15,12 +16,19 @@ import threading
 from hvdtrain.cli import main
 
 
-def _report() -> None:
+def _report(how: str = "interpreter exit") -> None:
     names = [thread.name for thread in threading.enumerate()]
-    sys.stderr.write(f"rank {os.environ.get('RANK', os.environ.get('OMPI_COMM_WORLD_RANK'))} threads at exit: "
+    sys.stderr.write(f"rank {os.environ.get('RANK', os.environ.get('OMPI_COMM_WORLD_RANK'))} threads at {how}: "
                      f"{','.join(names)}\n")
     sys.stderr.flush()
 
 
+def _reporting_exit(code: int, _exit=os._exit) -> None:
+    atexit.unregister(_report)
+    _report("os._exit")
+    _exit(code)
+
+
 atexit.register(_report)
+os._exit = _reporting_exit
 main(sys.argv[1:])
