@@ -107,9 +107,10 @@ def test_fp16_with_accumulation_resumes_exactly_from_a_signal_inside_an_epoch(tm
 
 def test_checkpoints_every_n_steps_resume_on_fewer_and_more_processes(tmp_path):
     """Stopped inside epoch 2 on 2 processes; resumed on 1 and on 4 with the same global batch: the
-    rest of the epoch is shared by the new ranks, none skipped or seen twice, so the weights are the
-    uninterrupted 2-process run's (up to the order of the sums)."""
-    same_lr = ["--no-scale-lr", "--warmup-epochs", "0"]  # lr scaling follows the world size, not the global batch
+    rest of the epoch is shared by the new ranks, none skipped or seen twice, and the learning rate is
+    the one for the run's global batch (scaled, and stopped inside a 2-epoch warm-up), so the weights
+    are the uninterrupted 2-process run's (up to the order of the sums)."""
+    same_lr = ["--warmup-epochs", "2"]
     whole = tmp_path / "whole"
     assert fit("horovodrun-gloo", whole, *same_lr, dropout="0").returncode == 0
     stopped = tmp_path / "stopped"
@@ -135,6 +136,8 @@ def test_checkpoints_every_n_steps_resume_on_fewer_and_more_processes(tmp_path):
         assert "896 samples into epoch 2" in resumed.stdout
         assert_same_weights(final_weights(whole), final_weights(copy), atol=1e-5)
         assert [r["world_size"] for r in records(copy)] == [2, np_, np_]
+        assert [r["lr"] for r in records(copy)] == pytest.approx([r["lr"] for r in records(whole)], rel=1e-12)
+        assert torch.load(copy / "checkpoints" / "last.pt", weights_only=True)["lr_batch"] == 64
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,11 @@ class OptimConfig:
     name: Literal["sgd", "adamw"] = "sgd"
     """Optimizer."""
     lr: float = 0.05
-    """Learning rate for one process. dist: multiplied by world size x train.accumulate when scale_lr is on."""
+    """Learning rate for a global batch of `lr_batch` samples. dist: with scale_lr, multiplied by
+    global batch / lr_batch."""
+    lr_batch: Optional[int] = None
+    """The global batch `lr` is meant for (None: data.batch_size, one process's batch; a resume keeps
+    the checkpoint's, so the same global batch on another number of processes keeps the same lr)."""
     momentum: float = 0.9
     """SGD momentum."""
     weight_decay: float = 0.0
@@ -122,6 +126,8 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "optim.lr", f"must be positive, got {self.lr}")
+        if self.lr_batch is not None:
+            _require(self.lr_batch > 0, "optim.lr_batch", f"must be positive, got {self.lr_batch}")
         _require(0 <= self.momentum < 1, "optim.momentum", f"must be in [0, 1), got {self.momentum}")
         _require(self.weight_decay >= 0, "optim.weight_decay", f"must be 0 or more, got {self.weight_decay}")
         _require(self.warmup_epochs >= 0, "optim.warmup_epochs", f"must be 0 or more, got {self.warmup_epochs}")

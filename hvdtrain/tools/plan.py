@@ -51,8 +51,8 @@ def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         sampler.set_epoch(1)  # fit's first epoch
     steps = len(samplers[0]) // accumulate
     global_batch = batch * size * accumulate
-    lr = LearningRate.from_config(config.optim, world_size=size, accumulate=accumulate, adasum=config.train.adasum,
-                                  steps_per_epoch=steps, epochs=config.train.epochs)
+    lr = LearningRate.from_config(config.optim, global_batch=global_batch, batch_size=batch,
+                                  adasum=config.train.adasum, steps_per_epoch=steps, epochs=config.train.epochs)
     val = [EvalShardSampler(n_val, batch, r, size) for r in range(size)]
     first = [next(iter(s), []) for s in samplers]
     return {
@@ -63,7 +63,7 @@ def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "batch_per_rank": batch, "accumulate": accumulate, "global_batch": global_batch,
         "steps_per_epoch": steps, "samples_per_epoch": steps * global_batch,
         "dropped_per_epoch": n_train - steps * global_batch,
-        "lr": {"base": lr.base, "scale": lr.scale, "peak": lr.base * lr.scale, "first_step": lr(0),
+        "lr": {"base": lr.base, "scale": lr.scale, "lr_batch": lr.lr_batch, "peak": lr.base * lr.scale, "first_step": lr(0),
                "warmup_steps": lr.warmup_steps, "schedule": lr.schedule, "total_steps": lr.total_steps,
                "last_step": lr(max(0, lr.total_steps - 1))},
         "adasum": config.train.adasum,
@@ -108,8 +108,8 @@ def _lr_line(plan: dict[str, Any], lr: dict[str, Any]) -> str:
     elif lr["scale"] == 1:
         scaled = f"{lr['base']:g} (not scaled)"
     else:
-        scaled = (f"{lr['base']:g} for one process x {lr['scale']:g} (the global batch over one rank's batch) "
-                  f"= {lr['peak']:g}")
+        scaled = (f"{lr['base']:g} for a batch of {lr['lr_batch']} x {lr['scale']:g} (the global batch over "
+                  f"{lr['lr_batch']}) = {lr['peak']:g}")
     warmup = (f", reached after a linear warm-up over {lr['warmup_steps']} steps starting at {lr['first_step']:g}"
               if lr["warmup_steps"] else "")
     after = "then constant" if lr["schedule"] == "constant" else f"then cosine to {lr['last_step']:.3g} at the last step"

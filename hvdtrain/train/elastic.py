@@ -23,7 +23,7 @@ from hvdtrain.engine.base import ElasticState
 from hvdtrain.io.checkpoint import CheckpointStore
 from hvdtrain.io.progress import bar_stream, say
 from hvdtrain.train.epoch import Totals, finish, open_run_files, run_epoch
-from hvdtrain.train.setup import Run, build, check_same_data, check_task, shard, start_on_root
+from hvdtrain.train.setup import Run, build, check_same_data, check_task, keep_learning_rate, shard, start_on_root
 
 
 def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any]:
@@ -33,13 +33,13 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
     # sync: no collective may happen before it, so set-up errors are held until then.
     error: Exception | None = None
     run: Run | None = None
-    start_epoch = step = position = 0
+    start_epoch = step = position = lr_batch = 0
     try:
         run = build(config, engine)
         shard(run, config, engine)  # the same checks as without --elastic
         check_task(run, config, engine)
         start = start_on_root(config, engine, run)
-        start_epoch, step, position = start.epoch, start.step, start.position
+        start_epoch, step, position, lr_batch = start.epoch, start.step, start.position, start.lr_batch
     except Exception as err:  # noqa: BLE001 - reported on every rank by settle
         error = err
     if error is not None:
@@ -53,7 +53,7 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
     state = engine.elastic_state(
         run.model, run.optimizer, before_sync,
         epoch=start_epoch, step=step, position=position, run_dir=str(run.run_dir), scaler=run.precision.state_dict(),
-        start_epoch=start_epoch, record=None, train_seconds=0.0, train_samples=0,
+        start_epoch=start_epoch, record=None, train_seconds=0.0, train_samples=0, lr_batch=lr_batch,
     )
     sizes: list[int] = []  # the world size of each attempt
     return engine.run_elastic(lambda current: _train(current, run, config, engine, started, sizes), state)
@@ -66,6 +66,7 @@ def _train(state: ElasticState, run: Run, config: Config, engine: Engine, starte
         say(f"hvdtrain: elastic: {engine.size} processes now (were {sizes[-1]}); going on from epoch "
             f"{state.epoch + 1}, sample {state.position} of {len(run.split.train)} in its order")
     sizes.append(engine.size)
+    keep_learning_rate(config, state.lr_batch)  # dist: rank 0's checkpoint's, on every rank
     shard(run, config, engine)
     run.precision.load_state_dict(state.scaler)
     per_step = run.train_sampler.global_batch * config.train.accumulate

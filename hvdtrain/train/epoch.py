@@ -213,6 +213,7 @@ def _checkpoint_state(run: Run, config: Config, engine: Engine, epoch: int, step
         "epoch": epoch,
         "step": step,
         "world_size": engine.size,
+        "lr_batch": run.learning_rate.lr_batch,
         "scaler": run.precision.state_dict(),
         "task": run.task.name,
         "shapes": run.shapes.to_dict(),  # what `evaluate`, `predict` and `export` rebuild the model from

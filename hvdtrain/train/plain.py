@@ -18,7 +18,7 @@ from hvdtrain.io.progress import bar_stream
 from hvdtrain.io.run_dir import TIMELINE
 from hvdtrain.train.epoch import Totals, finish, open_run_files, run_epoch
 from hvdtrain.train.preemption import StopSignals, StepCheck
-from hvdtrain.train.setup import build, check_same_data, check_task, shard, start_on_root
+from hvdtrain.train.setup import build, check_same_data, check_task, keep_learning_rate, shard, start_on_root
 
 
 def fit_plain(config: Config, engine: Engine, started: float) -> dict[str, Any]:
@@ -38,6 +38,9 @@ def fit_plain(config: Config, engine: Engine, started: float) -> dict[str, Any]:
     engine.broadcast_parameters(run.model)
     engine.broadcast_optimizer_state(run.optimizer)
     start = engine.broadcast_object(start, "start")
+    if start.lr_batch and config.optim.lr_batch is None:
+        keep_learning_rate(config, start.lr_batch)
+        shard(run, config, engine)  # dist: the learning rate for the run's own reference batch
     run.precision.load_state_dict(engine.broadcast_object(run.precision.state_dict(), "scaler"))  # dist: fp16
     # dist: steps count steps of this run's global batch: on another number of processes the
     # learning-rate schedule goes on from where the run is in samples, not from the old step count.

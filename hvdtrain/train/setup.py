@@ -42,6 +42,8 @@ class Start:
     sums: tuple[float, int, int, int] = (0.0, 0, 0, 0)
     rng: list[dict[str, Any]] | None = None
     world_size: int = 0
+    lr_batch: int = 0
+    """The global batch the run's lr is for (0: a fresh run, the config's)."""
 
 
 @dataclass
@@ -109,8 +111,8 @@ def shard(run: Run, config: Config, engine: Engine) -> None:
     run.val_batches = batches(run.split.val, val_sampler, run.workers, pin, run.collate)
     run.step_log = StepLog(engine, config.run.log_every, batch * accumulate)
     run.learning_rate = LearningRate.from_config(
-        config.optim, world_size=engine.size, accumulate=accumulate, adasum=config.train.adasum,
-        steps_per_epoch=len(run.train_sampler) // accumulate, epochs=config.train.epochs,
+        config.optim, global_batch=run.train_sampler.global_batch * accumulate, batch_size=batch,
+        adasum=config.train.adasum, steps_per_epoch=len(run.train_sampler) // accumulate, epochs=config.train.epochs,
     )
 
 
@@ -176,8 +178,17 @@ def _restore(config: Config, run: Run, run_dir: Path) -> Start:
     inside = f", {position} samples into epoch {state['epoch'] + 1}" if position else ""
     say(f"hvdtrain: resuming from {path} (epoch {state['epoch']}, step {state['step']}{inside})")
     sums = state.get("sums", (0.0, 0, 0, 0))
+    # Checkpoints from before optim.lr_batch: their lr was for one process's batch.
+    lr_batch = state.get("lr_batch") or state.get("config", {}).get("data", {}).get("batch_size", 0)
     return Start(int(state["epoch"]), int(state["step"]), position, tuple(sums), state.get("rng"),
-                 int(state.get("world_size", 0)))
+                 int(state.get("world_size", 0)), int(lr_batch))
+
+
+def keep_learning_rate(config: Config, lr_batch: int) -> None:
+    """A resumed run keeps the global batch its lr was for (unless optim.lr_batch is set): on another
+    number of processes with the same global batch the learning rate stays the same."""
+    if lr_batch and config.optim.lr_batch is None:
+        config.optim.lr_batch = lr_batch
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
