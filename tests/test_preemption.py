@@ -105,6 +105,22 @@ def test_fp16_with_accumulation_resumes_exactly_from_a_signal_inside_an_epoch(tm
     same_records(whole, cut)
 
 
+def test_data_loader_workers_with_a_random_augmentation_resume_exactly_from_inside_an_epoch(tmp_path):
+    """Two data-loader workers per rank, each drawing a random augmentation (torch, numpy, random) in
+    __getitem__: stopped in the middle of epoch 2 and resumed, the weights and every record are the
+    uninterrupted run's. The workers' random state is the batch's own, not a worker's history."""
+    extra = ["--data", "user_code:augmented", "--set", "data.num_workers=2"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert fit("horovodrun-gloo", whole, *extra).returncode == 0
+    stopped = fit("horovodrun-gloo", cut, *extra, signal_at=f"0:{STEPS_PER_EPOCH + 5}:SIGTERM")
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    resumed = fit("horovodrun-gloo", cut, *extra, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "640 samples into epoch 2" in resumed.stdout
+    assert_same_weights(final_weights(whole), final_weights(cut), atol=1e-6)
+    same_records(whole, cut)
+
+
 def test_checkpoints_every_n_steps_resume_on_fewer_and_more_processes(tmp_path):
     """Stopped inside epoch 2 on 2 processes; resumed on 1 and on 4 with the same global batch: the
     rest of the epoch is shared by the new ranks, none skipped or seen twice, and the learning rate is

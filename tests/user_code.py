@@ -384,3 +384,31 @@ def signals_itself(input_shape, num_classes):
     from hvdtrain.models import build_model
 
     return _SignalsItself(build_model(ModelConfig(name="mlp"), input_shape, num_classes))
+
+
+class _Augmented(Dataset):
+    """Four classes of 12 features, with a random augmentation drawn from torch, numpy and Python's
+    `random` in `__getitem__`, as a user's transforms would (in data-loader workers with
+    data.num_workers > 0)."""
+
+    classes = ["a", "b", "c", "d"]
+
+    def __init__(self, n: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, 4, (n,), generator=generator)
+        self.x = torch.randn(n, 12, generator=generator) * 0.8 + self.y[:, None].float()
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        import random
+
+        import numpy as np
+
+        noise = torch.randn(12) * 0.2 + float(np.random.normal()) * 0.1 + random.random() * 0.1
+        return self.x[index] + noise, self.y[index]
+
+
+def augmented():
+    return _Augmented(1600, 0), _Augmented(400, 1)

@@ -33,8 +33,38 @@ def batches(dataset: Dataset, sampler: Sampler[list[int]] | list[list[int]], num
     """Batches in the order `sampler` gives (an iterable that can be re-iterated each epoch)."""
     if isinstance(dataset, TensorDataset) and num_workers == 0 and collate is None:
         return _TensorBatches(dataset.tensors, sampler)
+    if num_workers > 0:
+        dataset = _SeededInWorkers(dataset)
+    # A generator of its own: each new iterator draws a base seed for its workers, which from the
+    # training's random state would shift dropout's draws by one after a resume inside an epoch.
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      persistent_workers=num_workers > 0, collate_fn=collate)
+                      persistent_workers=num_workers > 0, collate_fn=collate, generator=torch.Generator())
+
+
+class _SeededInWorkers(Dataset):
+    """The data set, as a data-loader worker loads it: seeded with the batch's own seed first
+    (`sampler.SeededBatch`). The main process keeps its own random state, which a checkpoint
+    saves and restores per rank."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[Any]) -> list[Any]:
+        seed = getattr(indices, "seed", None)
+        if seed is not None:
+            import random
+
+            torch.manual_seed(seed)
+            np.random.seed(seed % 2**32)
+            random.seed(seed)
+        own = getattr(self.dataset, "__getitems__", None)
+        return own(list(indices)) if own is not None else [self.dataset[i] for i in indices]
 
 
 def collate_function(name: str | None, ignore_index: int, target_key: str) -> Callable[[list[Any]], Any] | None:

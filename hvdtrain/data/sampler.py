@@ -70,6 +70,26 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+class SeededBatch(list):
+    """A batch of indices and the seed for the random draws made while loading it (augmentation).
+
+    A data-loader worker seeds torch, numpy and Python's `random` with it before it loads the batch
+    (`loading.batches`): a worker's random state is then a function of the batch, not of which
+    worker got it or how long that worker has lived, so a run resumed in the middle of an epoch
+    draws what it would have drawn, and persistent workers still draw anew each epoch.
+    """
+
+    def __init__(self, indices: list[int], seed: int):
+        super().__init__(indices)
+        self.seed = seed
+
+
+def batch_seed(seed: int, epoch: int, position: int) -> int:
+    """The seed of the batch starting at global `position` of epoch `epoch`'s order (epoch 0 for
+    evaluation): the same for that batch whatever the world size, different for any other."""
+    return _splitmix64(_splitmix64((seed << 24) ^ epoch) ^ position)
+
+
 class ShardedBatchSampler(Sampler[list[int]]):
     """Yields this rank's batches of indices for one epoch (call `set_epoch` each epoch).
 
@@ -105,7 +125,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
             # dist: this rank's slice of global batch `step`.
             positions = self.start + step * self.global_batch + self.rank * self.batch_size + offsets
             indices = permutation(positions) if permutation is not None else positions
-            yield indices.tolist()
+            yield SeededBatch(indices.tolist(), batch_seed(self.seed, self.epoch, int(positions[0])))
 
 
 class EvalShardSampler(Sampler[list[int]]):
@@ -122,7 +142,7 @@ class EvalShardSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         for first in range(self.start, self.stop, self.batch_size):
-            yield list(range(first, min(first + self.batch_size, self.stop)))
+            yield SeededBatch(list(range(first, min(first + self.batch_size, self.stop))), batch_seed(0, 0, first))
 
 
 class FixedBatchesByRank(Sampler[list[int]]):
