@@ -69,7 +69,7 @@ CASES = {
     "task without a loss": (["--data", "user_code:blobs", "--model", "user_code:tiny_net", "--task",
                              "user_code:OnlyMetrics"], "has no loss method and the model returned no loss"),
     "loss not finite at the start": (["--task", "user_code:log_of_zero_loss"], "is -inf on the first training batch"),
-    "metrics not sums and counts": (["--task", "user_code:MeanMetrics"], "not a (sum, count) pair"),
+    "metrics not sums and counts": (["--task", "user_code:CrossEntropyOfMyOwn"], "not a (sum, count) pair"),
     "class count unknown": (["--data", "user_code:int_labels", "--model", "user_code:needs_num_classes"],
                             "takes num_classes, but the data set does not say how many classes it has: set "
                             "data.num_classes"),
@@ -124,6 +124,19 @@ def test_checkpoint_of_another_model(existing_run, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "does not fit this model" in err and "size mismatch" in err and "Traceback" not in err
+    assert snapshot(existing_run) == before
+
+
+def test_checkpoint_of_another_task(existing_run, capsys):
+    """The same data and model shapes under another task: refused by name, not resumed with another loss."""
+    before = snapshot(existing_run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--engine", "local", "--data", "random", "--set", "data.samples=256", "--task",
+              "user_code:CrossEntropyOfMyOwn", "--epochs", "2", "--run-dir", str(existing_run), "--resume"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "was written by task 'classification', and this run's task is 'user_code:CrossEntropyOfMyOwn': resume with " \
+           "--task classification" in err and "Traceback" not in err, err
     assert snapshot(existing_run) == before
 
 

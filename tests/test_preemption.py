@@ -88,6 +88,51 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_step_and_the_resume_is_exac
     same_records(uninterrupted, run_dir)
 
 
+def test_a_signal_during_evaluation_stops_every_rank_at_that_epoch_s_end(uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    stopped = fit("torchrun", run_dir, signal_at="1:v6:SIGTERM")  # 4 evaluation batches a rank: epoch 2's
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 75, output[-3000:]
+    assert output.count("hvdtrain: stopped by SIGTERM at the end of epoch 2, step 24: checkpoint written") == 1, \
+        output[-3000:]
+    assert [r["epoch"] for r in records(run_dir)] == [1, 2]  # epoch 2 finished, none of epoch 3 begun
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 2
+    resumed = fit("torchrun", run_dir, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
+    same_records(uninterrupted, run_dir)
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-mpi", "torchrun"])  # Horovod's stall inspector; hvdtrain's watchdog
+def test_a_checkpoint_write_slower_than_the_stall_timeout_is_no_stall_and_a_signal_during_it_loses_nothing(
+        launcher, uninterrupted, tmp_path):
+    """Rank 0's first checkpoint write takes 6 s with train.stall_timeout 2: the others wait for it in
+    short checks, not one long collective, so nothing takes the job for stalled. SIGTERM to the launcher
+    in the middle of that write: the write completes, every rank stops at that epoch's end, and the
+    resume ends with the uninterrupted run's weights."""
+    run_dir, mark = tmp_path / "run", tmp_path / "saving"
+    env = {**launch_env(), "HVDTRAIN_TEST_SIGNAL": "", "HVDTRAIN_TEST_DROPOUT": "0.2",
+           "HVDTRAIN_TEST_SLOW_SAVE": f"6:{mark}"}
+    job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *ARGS, "--set", "train.stall_timeout=2",
+                            "--run-dir", str(run_dir)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    deadline = time.monotonic() + 60
+    while not mark.exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert mark.exists(), job.communicate()[0][-3000:]
+    time.sleep(3)  # past the stall timeout, inside the write
+    job.send_signal(signal.SIGTERM)
+    output, _ = job.communicate(timeout=60)
+    assert job.returncode == 75, output[-3000:]
+    assert "stall" not in output and "Traceback" not in output, output[-3000:]
+    assert output.count("hvdtrain: stopped by SIGTERM at the end of epoch 1, step 12: checkpoint written") == 1, \
+        output[-3000:]
+    assert [p.name for p in (run_dir / "checkpoints").glob("epoch-*.pt")] == ["epoch-0001.pt"]
+    resumed = fit(launcher, run_dir, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
+
+
 def test_fp16_with_accumulation_resumes_exactly_from_a_signal_inside_an_epoch(tmp_path):
     """The gradient scaler (each rank's, broadcast from rank 0 on resume) and the accumulation window:
     the stop comes at an optimizer step, between windows, and the resume is exact."""

@@ -332,6 +332,10 @@ class _CrossEntropy:
         return torch.nn.functional.cross_entropy(output, target)
 
 
+class CrossEntropyOfMyOwn(_CrossEntropy):
+    """A user's own task with a loss only: the same shapes as classification, another task."""
+
+
 class MeanMetrics(_CrossEntropy):
     """Reports a mean instead of (sum, count): cannot be summed exactly across ranks."""
 
@@ -356,7 +360,8 @@ class F1WithoutDirection(_CrossEntropy):
 class _SignalsItself(nn.Module):
     """The built-in MLP (with dropout, so that a resume is exact only with the random states restored)
     that, given HVDTRAIN_TEST_SIGNAL=RANK:N:SIGNAL, sends SIGNAL to its own process in its Nth training
-    forward pass on that rank (RANK `all`: every rank), as a scheduler would at that moment.
+    forward pass on that rank (RANK `all`: every rank; N `vK`: its Kth evaluation forward pass), as a
+    scheduler would at that moment.
     HVDTRAIN_TEST_DROPOUT sets the dropout (0: none, for runs compared across world sizes)."""
 
     def __init__(self, inner: nn.Module):
@@ -365,18 +370,39 @@ class _SignalsItself(nn.Module):
         super().__init__()
         self.inner, self.dropout, self.forwards = inner, nn.Dropout(float(os.environ.get("HVDTRAIN_TEST_DROPOUT", 0.2))), 0
         rank, count, name = (os.environ.get("HVDTRAIN_TEST_SIGNAL", "") or "-1:0:SIGTERM").split(":")
-        self.signal_at = int(count) if rank in ("all", str(_rank())) else None
-        self.signal_name = name
+        mine = rank in ("all", str(_rank()))
+        # N counts training forward passes; vN evaluation ones.
+        self.signal_at = int(count) if mine and not count.startswith("v") else None
+        self.signal_in_evaluation = int(count[1:]) if mine and count.startswith("v") else None
+        self.signal_name, self.evaluations, self.slowed = name, 0, False
 
     def forward(self, x):
-        if self.training:
-            import os
-            import signal
+        import os
+        import signal
 
+        if self.training:
             self.forwards += 1
             if self.forwards == self.signal_at:
                 os.kill(os.getpid(), getattr(signal, self.signal_name))
+        else:
+            self.evaluations += 1
+            if self.evaluations == self.signal_in_evaluation:
+                os.kill(os.getpid(), getattr(signal, self.signal_name))
         return self.inner(self.dropout(x))
+
+    def state_dict(self, *args, **kwargs):
+        """With HVDTRAIN_TEST_SLOW_SAVE=SECONDS:PATH, rank 0's first checkpoint takes SECONDS longer
+        (a slow file system); PATH appears when it begins."""
+        import os
+        import time
+
+        slow = os.environ.get("HVDTRAIN_TEST_SLOW_SAVE")
+        if slow and self.forwards and _rank() == 0 and not self.slowed:
+            seconds, path = slow.split(":", 1)
+            self.slowed = True
+            open(path, "w").close()
+            time.sleep(float(seconds))
+        return super().state_dict(*args, **kwargs)
 
 
 def signals_itself(input_shape, num_classes):

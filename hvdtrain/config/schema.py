@@ -210,6 +210,10 @@ class RunConfig:
     tiny allreduce, at steps rank 0 picks from the step time); 0: after every optimizer step."""
     keep_last: int = 3
     """Keep this many newest checkpoints (and the best one as well)."""
+    checkpoint_timeout: float = 1800
+    """Seconds a checkpoint write on rank 0 may take before every rank stops with that error (a file
+    system that hangs). dist: the others wait for it in short checks, never long enough for the stall
+    timeout to take them for stalled."""
     best_metric: str = "auto"
     """The validation metric that picks best.pt, e.g. val_loss or val_f1; `auto`: the task's
     own (val_acc, val_r2, val_f1, val_perplexity; val_loss for a task of your own)."""
@@ -238,6 +242,7 @@ class RunConfig:
         _require(self.stop_check_seconds >= 0, "run.stop_check_seconds",
                  f"must be 0 (every step) or more, got {self.stop_check_seconds}")
         _require(self.keep_last >= 1, "run.keep_last", f"must be at least 1, got {self.keep_last}")
+        _require(self.checkpoint_timeout > 0, "run.checkpoint_timeout", f"must be more than 0, got {self.checkpoint_timeout}")
         _require(not (self.resume and self.overwrite), "run.resume", "and run.overwrite exclude each other: pick one")
         _require(self.best_metric.strip() != "", "run.best_metric", "must name a metric, e.g. val_loss, or be auto")
 

@@ -5,6 +5,7 @@ elastic `fit`.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,10 +128,23 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
     if files is not None:
         files.append_metrics(totals.record)
         say(epoch_line(totals.record))
-    if epoch % config.run.checkpoint_every == 0 or epoch == epochs:
-        _save_together(engine, store, lambda: (_checkpoint_state(run, config, engine, epoch, step), epoch, metrics))
+    saved = epoch % config.run.checkpoint_every == 0 or epoch == epochs
+
+    def save() -> None:
+        _save_together(engine, store, lambda: (_checkpoint_state(run, config, engine, epoch, step), epoch, metrics),
+                       config.run.checkpoint_timeout)
         if check is not None:
             check.saved()  # the minutes until a timed checkpoint count from this one
+
+    if saved:
+        save()
+    # dist: a signal during evaluation or the checkpoint write stops every rank here, not a step later.
+    stop = check.at_epoch_end() if check is not None and epoch < epochs else None
+    if stop is not None:
+        if not saved:
+            save()
+        raise StoppedBySignal(f"stopped by {stop} at the end of epoch {epoch}, step {step:,}: checkpoint written; "
+                              "continue with --resume")
     return step
 
 
@@ -150,20 +164,66 @@ def _mid_epoch_checkpoint(run: Run, config: Config, engine: Engine, store: Check
                      rng=states)
         return saved, epoch - 1, {}
 
-    _save_together(engine, store, state)
+    _save_together(engine, store, state, config.run.checkpoint_timeout)
 
 
-def _save_together(engine: Engine, store: CheckpointStore, make: Callable[[], tuple[dict[str, Any], int, dict]]) -> None:
-    """Rank 0 writes a checkpoint; a failure to write (a full disk) stops every rank with one line."""
-    with engine.agree("checkpoint"):  # dist: the others wait for rank 0's word
-        if engine.is_root:
+def _save_together(engine: Engine, store: CheckpointStore, make: Callable[[], tuple[dict[str, Any], int, dict]],
+                   timeout: float) -> None:
+    """Rank 0 writes a checkpoint while every rank waits for it; a failure to write (a full disk) or
+    a write slower than `timeout` seconds stops every rank with one line."""
+    with engine.agree("checkpoint"):  # dist: the others learn how rank 0's write went
+        writer = _Writer(store, make) if engine.is_root else None
+        engine.at("waiting for rank 0 to write a checkpoint")
+        started = time.monotonic()
+        # dist: not one long wait in a collective (the stall watchdog, Horovod's stall inspector and
+        # the process group's timeout would each end a healthy job during a slow write) but short
+        # ones: every POLL_SECONDS a tiny allreduce of whether rank 0's writer thread is done.
+        while True:
+            done = writer.wait(POLL_SECONDS) if writer is not None else False
+            late = writer is not None and not done and time.monotonic() - started > timeout
+            flags = engine.allreduce_sum(torch.tensor([float(done), float(late)]), "checkpoint_written").tolist()
+            if flags[0] or flags[1]:
+                break
+        if writer is not None:  # the others learn of a failure in the agreement, from rank 0's line
+            writer.raise_failure(store, late, timeout)
+
+
+POLL_SECONDS = 0.5
+
+
+class _Writer:
+    """Rank 0's checkpoint write, in a thread of its own so that its main thread can keep telling
+    the others it is still writing."""
+
+    def __init__(self, store: CheckpointStore, make: Callable[[], tuple[dict[str, Any], int, dict]]):
+        self.error: Exception | None = None
+        self._thread = threading.Thread(target=self._write, args=(store, make), name="hvdtrain-checkpoint-writer",
+                                        daemon=True)  # a write stuck on a dead disk must not hold the exit
+        self._thread.start()
+
+    def _write(self, store: CheckpointStore, make: Callable[[], tuple[dict[str, Any], int, dict]]) -> None:
+        try:
             state, epoch, metrics = make()
-            try:
-                store.save(state, epoch, metrics)
-            except (OSError, RuntimeError) as err:  # torch.save reports a failed write as a RuntimeError
-                reason = err.strerror if isinstance(err, OSError) and err.strerror else message_lines(err)
-                raise UserError(f"could not write a checkpoint into {store.dir}: {reason}; the "
-                                "checkpoints before it are intact: free space, then continue with --resume") from err
+            store.save(state, epoch, metrics)
+        except Exception as err:  # noqa: BLE001 - raised in the main thread by raise_failure
+            self.error = err
+
+    def wait(self, seconds: float) -> bool:
+        self._thread.join(seconds)
+        return not self._thread.is_alive()
+
+    def raise_failure(self, store: CheckpointStore, late: bool, timeout: float) -> None:
+        if late:
+            raise UserError(f"writing a checkpoint into {store.dir} took longer than run.checkpoint_timeout "
+                            f"({timeout:g} s); the checkpoints before it are intact: check that file system, or "
+                            "raise run.checkpoint_timeout, then continue with --resume")
+        err = self.error
+        if isinstance(err, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else message_lines(err)
+            raise UserError(f"could not write a checkpoint into {store.dir}: {reason}; the "
+                            "checkpoints before it are intact: free space, then continue with --resume") from err
+        if err is not None:
+            raise err
 
 
 def _located(err: Exception, engine: Engine, position: str) -> Exception:

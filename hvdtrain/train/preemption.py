@@ -104,6 +104,16 @@ class StepCheck:
         """A checkpoint was written at an epoch's end."""
         self.last_checkpoint = time.monotonic()
 
+    def at_epoch_end(self) -> str | None:
+        """The signal to stop for, agreed at an epoch's end (one arriving during evaluation or the
+        epoch's checkpoint), or None."""
+        numbers = self.signals.numbers if self.signals else []
+        if not numbers:
+            return None
+        noted = [float(self.signals.received == n) for n in numbers]
+        flags = self.engine.allreduce_sum(torch.tensor(noted, dtype=torch.float64), "stop_check_epoch_end").tolist()
+        return next((signal.Signals(n).name for n, count in zip(numbers, flags) if count > 0), None)
+
     def _interval(self, step: int, now: float) -> int:
         """Steps until the next check: about stop_check_seconds of the steps just measured."""
         previous, self.last_check = self.last_check, (step, now)

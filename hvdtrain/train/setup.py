@@ -163,6 +163,10 @@ def _restore(config: Config, run: Run, run_dir: Path) -> Start:
         raise UserError(f"no intact checkpoint to resume in '{run_dir}/checkpoints': every one is corrupt or "
                         "missing; start a new run with --overwrite or another --run-dir")
     state = CheckpointStore.load(path)
+    written_by = state.get("task")
+    if written_by and written_by != run.task.name:  # the same shapes can still mean another loss and metrics
+        raise UserError(f"checkpoint '{path}' was written by task '{written_by}', and this run's task is "
+                        f"'{run.task.name}': resume with --task {written_by}, or start a new run in another --run-dir")
     try:
         unwrapped(run.model).load_state_dict(state["model"])
     except RuntimeError as err:
