@@ -4,7 +4,7 @@ VENV ?= .venv
 NP ?= 2
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install install-test demo test test-fast bench clean
+.PHONY: install install-test demo test test-fast test-kill bench clean
 
 install:
 	VENV=$(VENV) bash launch/install.sh
@@ -24,6 +24,10 @@ test: install-test
 ## make test-fast: the in-process tests only (no launchers, no Slurm, no image builds).
 test-fast: install-test
 	python -m pytest -ra -m "not multiprocess and not system"
+
+## make test-kill: one rank killed at 20 random moments (make test runs 3), each resumed exactly.
+test-kill: install-test
+	HVDTRAIN_KILL_MOMENTS=20 python -m pytest -ra tests/test_preemption.py -k random_moments
 
 ## make bench: hvdtrain fit against a hand-written Horovod loop, torchrun DDP and one process;
 ## then the cost of the stop check and of checkpoints inside an epoch.

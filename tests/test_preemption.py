@@ -251,6 +251,74 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_a_checkpoint_and_leaves_
     assert_same_weights(final_weights(ten_epochs), final_weights(run_dir), atol=1e-6)
 
 
+KILL_LAUNCHERS = ["horovodrun-gloo", "mpirun", "torchrun"]
+
+
+def test_one_rank_killed_at_random_moments_stops_the_job_and_each_resume_is_exact(uninterrupted, tmp_path):
+    """kill -9 of one rank at a random moment (set-up, a step, an allreduce, a checkpoint write,
+    evaluation), under each launcher in turn: every process of the job is gone within 30 s, and
+    `--resume auto` ends with the uninterrupted run's weights and records. HVDTRAIN_KILL_MOMENTS sets
+    how many moments (3 in make test; `make test-kill` runs 20)."""
+    import random
+
+    import psutil
+
+    moments = int(os.environ.get("HVDTRAIN_KILL_MOMENTS", "3"))
+    seed = int(os.environ.get("HVDTRAIN_KILL_SEED", str(time.time_ns() % 10_000)))
+    chance = random.Random(seed)
+    # From the ranks' start (imports, set-up) to the end of training, about.
+    span = 2.0 + json.loads((uninterrupted / "summary.json").read_text())["wall_s"]
+    for moment in range(moments):
+        launcher, victim, delay = KILL_LAUNCHERS[moment % 3], chance.randrange(2), chance.uniform(0.0, span)
+        about = f"moment {moment} (HVDTRAIN_KILL_SEED={seed}): {launcher}, rank {victim} after {delay:.2f} s"
+        run_dir = tmp_path / f"run{moment}"
+        env = {**launch_env(), "HVDTRAIN_TEST_SIGNAL": "", "HVDTRAIN_TEST_DROPOUT": "0.2"}
+        extra = ["-x", "HVDTRAIN_TEST_SIGNAL", "-x", "HVDTRAIN_TEST_DROPOUT"] if launcher == "mpirun" else []
+        job = subprocess.Popen([*LAUNCHERS[launcher], *extra, "hvdtrain", "fit", *ARGS, "--checkpoint-every-steps", "5",
+                                "--resume", "auto", "--run-dir", str(run_dir)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+        launched = psutil.Process(job.pid)
+        deadline = time.monotonic() + 30
+        while len(ranks := _ranks(launched)) < 2 and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(ranks) == 2, about
+        family = [launched, *launched.children(recursive=True)]
+        time.sleep(delay)
+        killed = time.monotonic()
+        try:
+            ranks[victim].kill()
+        except psutil.NoSuchProcess:
+            pass  # the job finished first: its resume has nothing to do
+        output, _ = job.communicate(timeout=30)
+        print(f"{about}: exit {job.returncode}, {output.count('epoch ')} epoch lines, {output[-300:]!r}")
+        while [p for p in family if _alive(p)] and time.monotonic() < killed + 30:
+            time.sleep(0.1)
+        assert not [p.cmdline() for p in family if _alive(p)], about
+        assert "Traceback" not in output, f"{about}\n{output[-3000:]}"
+        resumed = fit(launcher, run_dir, "--resume", "auto", "--checkpoint-every-steps", "5")
+        assert resumed.returncode == 0, f"{about}\n{resumed.stderr[-3000:]}"
+        assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
+        same_records(uninterrupted, run_dir)
+
+
+def _ranks(launcher) -> dict:
+    """The job's rank processes below the launcher, by rank."""
+    import psutil
+
+    found = {}
+    for process in launcher.children(recursive=True):
+        try:
+            if not os.path.basename(process.exe()).startswith("python"):
+                continue
+            environ = process.environ()
+        except psutil.Error:
+            continue
+        rank = next((environ[name] for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "RANK") if name in environ), None)
+        if rank is not None and "hvdtrain" in " ".join(process.cmdline()):
+            found.setdefault(int(rank), process)
+    return found
+
+
 def _alive(process) -> bool:
     import psutil
 
