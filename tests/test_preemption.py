@@ -31,9 +31,11 @@ STEPS_PER_EPOCH = 12
 
 
 def fit(launcher: str | None, run_dir: Path, *args: str, signal_at: str | None = None,
-        dropout: str | None = None) -> subprocess.CompletedProcess:
-    """`hvdtrain fit` under the launcher; `signal_at` is HVDTRAIN_TEST_SIGNAL (RANK:N:SIGNAL)."""
-    env = {"HVDTRAIN_TEST_SIGNAL": signal_at or "", "HVDTRAIN_TEST_DROPOUT": dropout or "0.2"}
+        dropout: str | None = None, overflow_at: str | None = None) -> subprocess.CompletedProcess:
+    """`hvdtrain fit` under the launcher; `signal_at` is HVDTRAIN_TEST_SIGNAL (RANK:N:SIGNAL),
+    `overflow_at` HVDTRAIN_TEST_OVERFLOW (see tests/user_code.py)."""
+    env = {"HVDTRAIN_TEST_SIGNAL": signal_at or "", "HVDTRAIN_TEST_DROPOUT": dropout or "0.2",
+           "HVDTRAIN_TEST_OVERFLOW": overflow_at or ""}
     prefix = list(LAUNCHERS[launcher]) if launcher else []
     if launcher == "mpirun":  # Open MPI passes only the variables it is told to
         prefix += [arg for name in env for arg in ("-x", name)]
@@ -135,18 +137,20 @@ def test_a_checkpoint_write_slower_than_the_stall_timeout_is_no_stall_and_a_sign
 
 def test_fp16_with_accumulation_resumes_exactly_from_a_signal_inside_an_epoch(tmp_path):
     """The gradient scaler (each rank's, broadcast from rank 0 on resume) and the accumulation window:
-    the stop comes at an optimizer step, between windows, and the resume is exact."""
+    rank 1's gradients overflow once in epoch 1, so every scaler halves to 2^15; the stop comes at an
+    optimizer step of epoch 3, between windows, and the resume is exact. (With only rank 0's scaler
+    restored, rank 1 went on at 2^16 and the ranks' updates differed.)"""
     extra = ["--precision", "fp16", "--accumulate", "2"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert fit("horovodrun-gloo", whole, *extra).returncode == 0
-    stopped = fit("horovodrun-gloo", cut, *extra, signal_at="1:30:SIGTERM")  # forward 30: step 15, epoch 3
+    assert fit("horovodrun-gloo", whole, *extra, overflow_at="5").returncode == 0
+    stopped = fit("horovodrun-gloo", cut, *extra, signal_at="1:30:SIGTERM", overflow_at="5")  # step 15, epoch 3
     assert stopped.returncode == 75, stopped.stderr[-3000:]
     assert "stopped by SIGTERM at epoch 3, step 15" in stopped.stdout + stopped.stderr
     resumed = fit("horovodrun-gloo", cut, *extra, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_weights(final_weights(whole), final_weights(cut), atol=1e-6)
     scalers = [torch.load(d / "checkpoints" / "last.pt", weights_only=True)["scaler"] for d in (whole, cut)]
-    assert scalers[0] == scalers[1] and scalers[0]["scale"] > 0
+    assert scalers[0] == scalers[1] and scalers[0]["scale"] == 2.0 ** 15  # one overflow, no growth since
     same_records(whole, cut)
 
 

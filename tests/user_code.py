@@ -357,11 +357,25 @@ class F1WithoutDirection(_CrossEntropy):
         return {"hits": ((output.argmax(1) == target).sum(), len(target))}
 
 
+class _BlowUpGradient(torch.autograd.Function):
+    """The identity forward; backward multiplies the gradient by 1e6, so that in fp16 it overflows
+    (inf) and the gradient scaler skips the step and halves its scale."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1e6
+
+
 class _SignalsItself(nn.Module):
     """The built-in MLP (with dropout, so that a resume is exact only with the random states restored)
     that, given HVDTRAIN_TEST_SIGNAL=RANK:N:SIGNAL, sends SIGNAL to its own process in its Nth training
     forward pass on that rank (RANK `all`: every rank; N `vK`: its Kth evaluation forward pass), as a
-    scheduler would at that moment.
+    scheduler would at that moment. HVDTRAIN_TEST_OVERFLOW=N: rank 1's gradient overflows in fp16 in its
+    Nth training forward pass.
     HVDTRAIN_TEST_DROPOUT sets the dropout (0: none, for runs compared across world sizes)."""
 
     def __init__(self, inner: nn.Module):
@@ -384,6 +398,8 @@ class _SignalsItself(nn.Module):
             self.forwards += 1
             if self.forwards == self.signal_at:
                 os.kill(os.getpid(), getattr(signal, self.signal_name))
+            if str(self.forwards) == os.environ.get("HVDTRAIN_TEST_OVERFLOW") and _rank() == 1:
+                return _BlowUpGradient.apply(self.inner(self.dropout(x)))
         else:
             self.evaluations += 1
             if self.evaluations == self.signal_in_evaluation:
