@@ -29,10 +29,14 @@ def test_low_precision_trains_on_cpu(mode, tmp_path):
 
 
 def test_fp16_checkpoint_keeps_the_scaler_and_resumes(tmp_path):
-    _fit(tmp_path / "r", "--precision", "fp16", "--epochs", "1")
+    """The scaler counts the steps since its last overflow: a checkpoint holds the live count, and a
+    resume goes on counting from it (a fresh scaler would count the resumed steps only)."""
+    first = _fit(tmp_path / "r", "--precision", "fp16", "--epochs", "1")
     state = torch.load(tmp_path / "r" / "checkpoints" / "last.pt", weights_only=True)
-    assert state["scaler"]["scale"] > 0
-    _fit(tmp_path / "r", "--precision", "fp16", "--resume")
+    assert state["scaler"]["scale"] == 2.0 ** 16 and state["scaler"]["_growth_tracker"] == first["steps"] > 0
+    done = _fit(tmp_path / "r", "--precision", "fp16", "--resume")
+    state = torch.load(tmp_path / "r" / "checkpoints" / "last.pt", weights_only=True)
+    assert state["scaler"]["_growth_tracker"] == done["steps"] == 3 * first["steps"]
 
 
 def test_bf16_autocast_runs_the_forward_in_bf16():
