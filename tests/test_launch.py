@@ -38,10 +38,15 @@ def test_mpijob_manifest_launches_hvdtrain():
     assert job["kind"] == "MPIJob" and job["apiVersion"] == "kubeflow.org/v2beta1"
     replicas = job["spec"]["mpiReplicaSpecs"]
     command = replicas["Launcher"]["template"]["spec"]["containers"][0]["command"]
-    assert command[0] == "mpirun" and command[command.index("hvdtrain") + 1] == "fit"
+    pod_entry = ["python", "-m", "hvdtrain.cli.pod"]  # PID 1 passes the pod's SIGTERM on to the ranks
+    assert command[:4] == [*pod_entry, "mpirun"] and command[command.index("hvdtrain") + 1] == "fit"
+    assert command[command.index("--resume") + 1] == "auto"  # a restarted launcher goes on from the checkpoint
     slots = job["spec"]["slotsPerWorker"] * replicas["Worker"]["replicas"]
     assert command[command.index("-np") + 1] == str(slots)
-    assert replicas["Worker"]["template"]["spec"]["containers"][0]["command"][0] == "/usr/sbin/sshd"
+    assert replicas["Worker"]["template"]["spec"]["containers"][0]["command"] == [*pod_entry, "/usr/sbin/sshd", "-De"]
+    assert job["spec"]["runPolicy"]["backoffLimit"] > 0
+    for role in ("Launcher", "Worker"):
+        assert replicas[role]["template"]["spec"]["terminationGracePeriodSeconds"] >= 60
 
 
 def test_mpijob_pod_templates_are_valid_kubernetes():

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -217,8 +218,10 @@ def ten_epochs(tmp_path_factory) -> Path:
 # kill, Ctrl-C's SIGINT likewise) or SIGUSR1 (Slurm's --signal before the limit). Open MPI's mpirun
 # passes SIGUSR1 on; on SIGTERM it ends the ranks itself (they still stop with a checkpoint, but mpirun
 # exits 1), so SIGTERM goes through hvdtrain's horovodrun, which keeps mpirun in front of it.
+# pod+mpirun: mpirun as a Kubernetes pod runs it, under hvdtrain's PID-1 entry (hvdtrain.cli.pod), which
+# gets the pod's SIGTERM.
 LAUNCHER_SIGNALS = [("horovodrun-mpi", "SIGTERM"), ("horovodrun-gloo", "SIGTERM"), ("torchrun", "SIGTERM"),
-                    ("torchrun", "SIGUSR1"), ("mpirun", "SIGUSR1")]
+                    ("torchrun", "SIGUSR1"), ("mpirun", "SIGUSR1"), ("pod+mpirun", "SIGTERM")]
 
 
 @pytest.mark.parametrize("launcher, name", LAUNCHER_SIGNALS)
@@ -228,8 +231,10 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_a_checkpoint_and_leaves_
 
     run_dir = tmp_path / "run"
     env = {**launch_env(), "HVDTRAIN_TEST_SIGNAL": "", "HVDTRAIN_TEST_DROPOUT": "0.2"}
+    pod, launcher = launcher.startswith("pod+"), launcher.removeprefix("pod+")
+    prefix = [sys.executable, "-m", "hvdtrain.cli.pod", *LAUNCHERS[launcher]] if pod else LAUNCHERS[launcher]
     extra = ["-x", "HVDTRAIN_TEST_SIGNAL", "-x", "HVDTRAIN_TEST_DROPOUT"] if launcher == "mpirun" else []
-    job = subprocess.Popen([*LAUNCHERS[launcher], *extra, "hvdtrain", "fit", *ARGS, "--epochs", "10",
+    job = subprocess.Popen([*prefix, *extra, "hvdtrain", "fit", *ARGS, "--epochs", "10",
                             "--run-dir", str(run_dir)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True)
     deadline = time.monotonic() + 60

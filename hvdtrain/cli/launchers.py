@@ -33,23 +33,37 @@ def forward_to_ranks(number: int, frame: object = None) -> None:
     ssh), which end theirs: never swallowed."""
     import psutil
 
-    me = psutil.Process()
     sent = False
+    for process in ranks_below():
+        try:
+            process.send_signal(number)
+            sent = True
+        except psutil.Error:  # gone meanwhile
+            pass
+    if not sent:
+        for process in psutil.Process().children():
+            try:
+                process.send_signal(number)
+            except psutil.Error:
+                pass
+
+
+def ranks_below() -> list:
+    """The rank processes among this process's descendants (psutil.Process), not their own
+    data-loader workers."""
+    import psutil
+
+    me = psutil.Process()
+    found = []
     for process in me.children(recursive=True):
         try:
             parent = process.parent()
             # A rank's own workers inherit its variables; the launcher may have them too (srun torchrun).
             if _is_rank(process) and (parent is None or parent.pid == me.pid or not _is_rank(parent)):
-                process.send_signal(number)
-                sent = True
+                found.append(process)
         except psutil.Error:  # gone meanwhile
             pass
-    if not sent:
-        for process in me.children():
-            try:
-                process.send_signal(number)
-            except psutil.Error:
-                pass
+    return found
 
 
 class _ExecAsChild:
