@@ -160,6 +160,20 @@ def test_regression_from_an_npz_with_float_targets(tmp_path):
     assert all("val_r2" in entry for entry in manifest["checkpoints"])
 
 
+def test_a_float_target_column_under_classification_is_refused_before_training(tmp_path, capsys):
+    """8 float features and one float target per sample, shaped (N, 1), and no --task: it trained as one
+    class, reporting loss 0 and accuracy 1. Refused before training, with the hint."""
+    generator = np.random.default_rng(0)
+    x = generator.normal(size=(300, 8)).astype(np.float32)
+    np.savez(tmp_path / "r.npz", x=x, y=(x @ np.ones(8, dtype=np.float32))[:, None])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *LOCAL, "--run-dir", str(tmp_path / "run"), "--data", str(tmp_path / "r.npz"), "--model", "mlp"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "classification needs integer class labels: for float targets use --task regression" in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_multilabel_and_language_model_train(tmp_path):
     multi = _fit(tmp_path / "m", "--data", "user_code:multilabel_data", "--task", "multilabel", "--epochs", "10",
                  "--batch-size", "16")
@@ -234,6 +248,11 @@ def test_the_first_batch_names_what_does_not_fit():
         _check(TaskConfig(), three, (x, torch.zeros(8, dtype=torch.long)), held=torch.tensor([-2, 1]))
     with pytest.raises(UserError, match=r"classification needs integer class labels .* --task regression"):
         _check(TaskConfig(), three, (x, torch.randn(8)))
+    with pytest.raises(UserError, match=r"1 output per sample, one class: nothing to tell apart. .*--task regression"):
+        _check(TaskConfig(), nn.Linear(4, 1), (x, torch.randn(8, 1)))
+    with pytest.raises(UserError, match=r"sample \d of the first batch has probabilities summing to .*, not 1"):
+        _check(TaskConfig(), three, (x, torch.rand(8, 3) + 0.5))
+    _check(TaskConfig(), three, (x, torch.softmax(torch.randn(8, 3), 1)))  # class probabilities are fine
     with pytest.raises(UserError, match=r"the model gives 3 value\(s\) per sample .* the targets hold 1"):
         _check(TaskConfig(name="regression"), three, (x, torch.randn(8)))
     with pytest.raises(UserError, match=r"targets must be 0 or 1, found 2.0"):

@@ -73,7 +73,7 @@ class Classification(Task):
         return None if logits is None else logits.argmax(dim=1)  # the class (per position for (N, C, ...))
 
     def check_data(self, target_dtype: torch.dtype | None, target_shape: tuple[int, ...] | None) -> None:
-        if target_dtype is not None and target_dtype.is_floating_point and target_shape == ():
+        if target_dtype is not None and target_dtype.is_floating_point and target_shape in ((), (1,)):
             raise UserError(f"task classification: the targets are {target_dtype} numbers, one per sample; "
                             "classification needs integer class labels: for float targets use --task regression")
 
@@ -85,11 +85,22 @@ class Classification(Task):
                             f"({logits.dtype}); it needs float logits shaped (batch, classes): for one value per "
                             "sample use --task regression, for 0/1 per class --task multilabel")
         classes = logits.shape[1]
+        if classes < 2:  # its loss is 0 and its accuracy 1 whatever the model does
+            raise UserError(f"task classification: the model gives {classes} output per sample, one class: nothing "
+                            "to tell apart. For one number per sample use --task regression; for a yes/no label "
+                            "--task multilabel, or two classes labelled 0 and 1")
         if target.is_floating_point():
             if target.shape != logits.shape:
                 raise UserError(f"task classification: the targets are {target.dtype} shaped {_shape(target)}; "
                                 "classification needs integer class labels (or class probabilities shaped like the "
                                 f"output, {_shape(logits)}): for float targets use --task regression")
+            sums = target.detach().float().sum(1)
+            worst = int((sums - 1).abs().reshape(-1).argmax())
+            if abs(float(sums.reshape(-1)[worst]) - 1) > 1e-3:
+                raise UserError(f"task classification: float targets are read as class probabilities, and sample "
+                                f"{worst} of the first batch has probabilities summing to "
+                                f"{float(sums.reshape(-1)[worst]):.4g}, not 1: for numbers use --task regression, for "
+                                "several 0/1 labels per sample --task multilabel")
             return
         if target.dtype == torch.bool or target.shape != logits.shape[:1] + logits.shape[2:]:
             raise UserError(f"task classification: labels of shape {_shape(target)} ({target.dtype}) do not fit "
