@@ -125,3 +125,24 @@ def test_resume_auto_starts_afresh_then_continues(tmp_path, capsys):
     main([*args, "--epochs", "2"])
     assert "resuming from" in capsys.readouterr().out
     assert [json.loads(line)["epoch"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_files_get_the_umask_s_mode_without_the_umask_being_touched(tmp_path, monkeypatch):
+    """Checkpoints are written in a thread beside others that create files: reading the mode must not
+    set the process-wide umask, even for a moment (os.umask is made to fail here)."""
+    import os
+    import stat
+
+    from hvdtrain.io.atomic import atomic_write
+
+    umask = os.umask(0o027)
+    try:
+        def touched(mask):
+            raise AssertionError("the umask was set")
+
+        monkeypatch.setattr(os, "umask", touched)
+        atomic_write(tmp_path / "state.pt", lambda handle: handle.write(b"x"))
+        assert stat.S_IMODE((tmp_path / "state.pt").stat().st_mode) == 0o640
+    finally:
+        monkeypatch.undo()
+        os.umask(umask)

@@ -30,8 +30,17 @@ def atomic_write(path: Path, write: Any) -> None:
 
 
 def shared_file_mode() -> int:
-    """The mode a new file gets from the process's umask (0o644 under the usual 022)."""
-    umask = os.umask(0)
+    """The mode a new file gets from the process's umask (0o644 under the usual 022). Read, not set
+    and restored: the umask is the whole process's, and a checkpoint is written beside other threads
+    that create files."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except OSError:  # not Linux, or no /proc
+        pass
+    umask = os.umask(0o022)
     os.umask(umask)
     return 0o666 & ~umask
 
