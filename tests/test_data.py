@@ -94,3 +94,17 @@ def test_bad_models():
         build_model(ModelConfig(name="user_code:not_a_model"), (4,), 3)
     with pytest.raises(UserError, match="needs image inputs"):
         build_model(ModelConfig(name="cnn"), (4,), 3)
+
+
+@pytest.mark.parametrize("budget, train, val", [(4, 3, 1), (1, 1, 0), (0, 0, 0)])
+def test_the_training_and_validation_loaders_share_one_worker_budget(budget, train, val):
+    """Both loaders keep their workers across epochs, so data.num_workers counts them together."""
+    from hvdtrain.config import load_config
+    from hvdtrain.engine import LocalEngine
+    from hvdtrain.train.setup import build, shard
+
+    config = load_config(None, {"data.name": "user_code:blobs_split", "data.num_workers": budget})
+    engine = LocalEngine(torch.device("cpu"))
+    run = build(config, engine)
+    shard(run, config, engine)
+    assert (run.train_batches.num_workers, run.val_batches.num_workers) == (train, val)

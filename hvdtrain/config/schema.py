@@ -27,8 +27,9 @@ class DataConfig:
     val_fraction: float = 0.2
     """Share of a single data set held out for validation (ignored when the source gives a (train, val) pair)."""
     num_workers: int = -1
-    """DataLoader worker processes per rank; -1 chooses: none for data held in tensors or
-    on the CPU, else up to 4 per GPU process from the cores it has."""
+    """DataLoader worker processes per rank, training and validation loaders together (validation
+    gets a quarter); -1 chooses: none for data held in tensors or on the CPU, else up to 4 per GPU
+    process from the cores it has."""
     samples: int = 4096
     """`random` only: number of samples."""
     features: int = 64

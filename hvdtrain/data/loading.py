@@ -18,14 +18,18 @@ if TYPE_CHECKING:
     from hvdtrain.engine.base import Engine
 
 
-def data_workers(requested: int, dataset: Dataset, engine: Engine) -> int:
-    """DataLoader workers per process: as asked, or a choice that keeps the cores for compute."""
+def data_workers(requested: int, dataset: Dataset, engine: Engine) -> tuple[int, int]:
+    """DataLoader workers per process, (training, validation): as asked, or a choice that keeps
+    the cores for compute. Both loaders keep their workers alive across epochs, so they share one
+    budget: validation (no backward, a fraction of the data) gets a quarter of it."""
     if requested >= 0:
-        return requested
-    if isinstance(dataset, TensorDataset) or engine.device.type != "cuda":
-        return 0  # in memory or CPU training: workers would only take cores from the compute
-    # dist: the host's cores are shared by its local processes; leave one for the main thread.
-    return max(0, min(4, available_cores() // engine.local_size - 1))
+        total = requested
+    elif isinstance(dataset, TensorDataset) or engine.device.type != "cuda":
+        total = 0  # in memory or CPU training: workers would only take cores from the compute
+    else:
+        # dist: the host's cores are shared by its local processes; leave one for the main thread.
+        total = max(0, min(4, available_cores() // engine.local_size - 1))
+    return total - total // 4, total // 4
 
 
 def batches(dataset: Dataset, sampler: Sampler[list[int]] | list[list[int]], num_workers: int, pin_memory: bool,

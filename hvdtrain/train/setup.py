@@ -57,7 +57,8 @@ class Run:
     precision: Precision
     run_dir: Path | None  # rank 0 only
     shapes: ModelShapes
-    workers: int = 0
+    workers: tuple[int, int] = (0, 0)
+    """DataLoader workers of the training and the validation loader (one budget, data.num_workers)."""
     collate: Any = None
     # Set by `check_task`:
     first: FirstBatch | None = None
@@ -107,8 +108,8 @@ def shard(run: Run, config: Config, engine: Engine) -> None:
         )
     val_sampler = EvalShardSampler(len(run.split.val), batch, engine.rank, engine.size)
     pin = engine.device.type == "cuda"  # pinned host memory lets copies to the GPU overlap compute
-    run.train_batches = batches(run.split.train, run.train_sampler, run.workers, pin, run.collate)
-    run.val_batches = batches(run.split.val, val_sampler, run.workers, pin, run.collate)
+    run.train_batches = batches(run.split.train, run.train_sampler, run.workers[0], pin, run.collate)
+    run.val_batches = batches(run.split.val, val_sampler, run.workers[1], pin, run.collate)
     run.step_log = StepLog(engine, config.run.log_every, batch * accumulate)
     run.learning_rate = LearningRate.from_config(
         config.optim, global_batch=run.train_sampler.global_batch * accumulate, batch_size=batch,
