@@ -423,3 +423,13 @@ def test_open_mpi_yields_while_it_waits_unless_the_user_says_otherwise(launcher,
                    for found in re.finditer(r'\{"rank"', done.stdout)]
         assert sorted(r["rank"] for r in reports) == [0, 1]
         assert all(r["held"] == {"mpi_yield_when_idle": held} for r in reports), reports
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
+def test_gather_brings_every_rank_s_object_to_rank_0_only(launcher):
+    """What only rank 0 needs (predictions) reaches rank 0 alone: the others' memory does not grow
+    with the world size."""
+    done = run([*python_under(launcher), str(ROOT / "tests/workers/gather.py")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0 got [{'rank': 0, 'payload': []}, {'rank': 1, 'payload': [0, 1, 2]}]" in done.stdout, done.stdout
+    assert "rank 1 got None" in done.stdout, done.stdout

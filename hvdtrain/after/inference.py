@@ -74,8 +74,8 @@ def predict_run(saved: SavedRun, engine: Engine, part: str, raw: bool) -> list[t
     for number, batch in zip(sampler.batch_numbers, batches(dataset, sampler, 0, False, collate)):
         batch = to_device(batch, engine.device, cfg.train.channels_last)
         mine.append((number, _predicted(saved, batch, precision, raw).cpu()))
-    everyone = engine.allgather_object(mine, "predictions")  # dist: rank 0 puts them in input order
-    if not engine.is_root:
+    everyone = engine.gather_object(mine, "predictions")  # dist: rank 0 puts them in input order
+    if everyone is None:
         return None
     return [tensor for _, tensor in sorted(pair for rank_part in everyone for pair in rank_part)]
 

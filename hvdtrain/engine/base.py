@@ -95,6 +95,11 @@ class Engine(ABC):
         """Every rank's object, in rank order, on every rank."""
 
     @abstractmethod
+    def gather_object(self, obj: Any, name: str) -> list[Any] | None:
+        """Every rank's object, in rank order, on rank 0 (None elsewhere): what only rank 0 needs
+        does not take memory on the others (predictions)."""
+
+    @abstractmethod
     def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Element-wise sum over ranks (metrics: sums and counts, so means are exact)."""
 
@@ -208,6 +213,10 @@ class WatchedEngine(Engine):
         with self.activity.waiting(f"allgather '{name}'"):
             return self._allgather_object(obj, name)
 
+    def gather_object(self, obj: Any, name: str) -> list[Any] | None:
+        with self.activity.waiting(f"gather '{name}'"):
+            return self._gather_object(obj, name)
+
     def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         with self.activity.waiting(f"allreduce '{name}'"):
             return self._allreduce_sum(tensor, name)
@@ -232,6 +241,9 @@ class WatchedEngine(Engine):
 
     @abstractmethod
     def _allgather_object(self, obj: Any, name: str) -> list[Any]: ...
+
+    @abstractmethod
+    def _gather_object(self, obj: Any, name: str) -> list[Any] | None: ...
 
     @abstractmethod
     def _allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor: ...

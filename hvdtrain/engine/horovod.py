@@ -133,6 +133,16 @@ class HorovodEngine(WatchedEngine):
     def _allgather_object(self, obj: Any, name: str) -> list[Any]:
         return hvd.allgather_object(obj, name=name)
 
+    def _gather_object(self, obj: Any, name: str) -> list[Any] | None:
+        # Horovod has no gather: one broadcast per rank, each kept by rank 0 only, so another rank
+        # holds its own object and one other at a time, never all of them.
+        gathered = []
+        for root in range(self.size):
+            received = hvd.broadcast_object(obj if root == self.rank else None, root_rank=root, name=f"{name}.{root}")
+            if self.is_root:
+                gathered.append(received)
+        return gathered if self.is_root else None
+
     def _allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return hvd.allreduce(tensor, name=name, op=hvd.Sum)
 

@@ -37,6 +37,9 @@ class LocalEngine(Engine):
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
         return [obj]
 
+    def gather_object(self, obj: Any, name: str) -> list[Any] | None:
+        return [obj]
+
     def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return tensor
 

@@ -122,6 +122,11 @@ class TorchEngine(WatchedEngine):
         dist.all_gather_object(gathered, obj)
         return gathered
 
+    def _gather_object(self, obj: Any, name: str) -> list[Any] | None:
+        gathered: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, gathered, dst=0)
+        return gathered
+
     def _allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         reduced = tensor.detach().to(self._collective_device(), copy=True)
         dist.all_reduce(reduced)
