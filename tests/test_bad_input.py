@@ -69,7 +69,7 @@ CASES = {
     "task without a loss": (["--data", "user_code:blobs", "--model", "user_code:tiny_net", "--task",
                              "user_code:OnlyMetrics"], "has no loss method and the model returned no loss"),
     "loss not finite at the start": (["--task", "user_code:log_of_zero_loss"], "is -inf on the first training batch"),
-    "metrics not sums and counts": (["--task", "user_code:CrossEntropyOfMyOwn"], "not a (sum, count) pair"),
+    "metrics not sums and counts": (["--task", "user_code:MeanMetrics"], "not a (sum, count) pair"),
     "class count unknown": (["--data", "user_code:int_labels", "--model", "user_code:needs_num_classes"],
                             "takes num_classes, but the data set does not say how many classes it has: set "
                             "data.num_classes"),
