@@ -24,6 +24,24 @@ def test_srun_without_ntasks_per_node_gives_each_node_its_own_task_count(node, l
     assert launcher_facts() == (3, 5, 0, local_size)
 
 
+def test_two_steps_of_one_slurm_job_meet_at_different_ports(monkeypatch):
+    """Two `srun` steps of one allocation may run at once on one node: each step's ranks meet at a port
+    of their own (a port from the job id alone made the second step's rank 0 fail to bind)."""
+    from hvdtrain.engine.environment import port_for_job
+
+    for name in [*os.environ]:
+        if name.startswith(("SLURM_", "OMPI_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    ports = set()
+    for step in range(8):
+        monkeypatch.setenv("SLURM_STEP_ID", str(step))
+        ports.add(port_for_job())
+    assert len(ports) == 8 and all(29500 <= port < 49500 for port in ports)
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    assert port_for_job() not in ports  # the next job's step 7
+
+
 def test_torchrun_s_variables_come_first(monkeypatch):
     for name, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                         "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", **SLURM}.items():

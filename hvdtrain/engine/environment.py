@@ -100,10 +100,13 @@ def slurm_first_node() -> str | None:
 
 
 def port_for_job() -> int:
-    """The same port on every rank of one job, different across jobs (Open MPI's or Slurm's job id)."""
+    """The same port on every rank of one job, different across jobs: Open MPI's job id, or Slurm's
+    job and step ids (two steps of one allocation may run at once on one node)."""
     job = os.environ.get("OMPI_MCA_ess_base_jobid") or os.environ.get("SLURM_JOB_ID") or "0"
     digits = "".join(c for c in job if c.isdigit()) or "0"
-    return 29500 + int(digits) % 20000
+    step = os.environ.get("SLURM_STEP_ID", "0") if "OMPI_MCA_ess_base_jobid" not in os.environ else "0"
+    # 7919 is prime to 20000: the steps of one job (and the jobs of one step number) get distinct ports.
+    return 29500 + (int(digits) + 7919 * (int(step) if step.isdigit() else 0)) % 20000
 
 
 def available_cores() -> int:
