@@ -17,6 +17,11 @@ class TrainingStopped(UserError):
     exit_code = 1
 
 
+class RendezvousFailed(UserError):
+    """The ranks could not meet (a port in use, an address that is not rank 0's host): one line from
+    each rank that saw it, since rank 0 may not be the one."""
+
+
 class StoppedBySignal(Exception):
     """Every rank stopped at the same step on a signal and a checkpoint was written: one line from
     rank 0 (not an error), exit status 75 (EX_TEMPFAIL: a requeue script tells it from a failure)."""

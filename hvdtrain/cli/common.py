@@ -10,7 +10,7 @@ from typing import Any, Callable, NoReturn
 
 import click
 
-from hvdtrain.errors import StoppedBySignal, UserError
+from hvdtrain.errors import RendezvousFailed, StoppedBySignal, UserError
 
 
 def with_engine(debug: bool, work: Callable[[Any], Any], **engine_args: Any) -> None:
@@ -40,6 +40,8 @@ def report_and_exit(err: Exception, debug: bool) -> None:
     from hvdtrain.engine import RankFailed, launcher_rank
     from hvdtrain.errors import FailedAt
 
+    if isinstance(err, RendezvousFailed):
+        fail(str(err), err.exit_code, debug, every_rank=True)
     if isinstance(err, UserError):
         fail(str(err), err.exit_code, debug)
     if isinstance(err, StoppedBySignal):

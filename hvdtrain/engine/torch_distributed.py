@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from hvdtrain.engine.base import GradientSync, WatchedEngine
 from hvdtrain.engine.environment import launcher_facts, port_for_job, slurm_first_node
-from hvdtrain.errors import UserError
+from hvdtrain.errors import RendezvousFailed, UserError, message_lines
 from hvdtrain.engine.watchdog import Activity, StallWatchdog
 
 # Gradients are reduced in buckets of about this many bytes: one collective per bucket
@@ -78,10 +78,19 @@ class TorchEngine(WatchedEngine):
         backend = "nccl" if device.type == "cuda" else "gloo"
         # The process group's own timeout is a last resort: the stall watchdog reports first, naming ranks.
         timeout = datetime.timedelta(seconds=stall_timeout + 60 if stall_timeout > 0 else 1800)
-        store, _, _ = next(dist.rendezvous(init_method, rank, size, timeout=timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-        engine = cls(device, facts, f"{init_method}{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-                                    if init_method == "env://" else init_method)
+        where = f"{init_method}{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" \
+            if init_method == "env://" else init_method
+        if rank != 0:  # rank 0 hosts the rendezvous; the others connect to it
+            _require_resolvable(where, rank)
+        try:
+            store, _, _ = next(dist.rendezvous(init_method, rank, size, timeout=timeout))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+        except (RuntimeError, ValueError) as err:  # DistNetworkError, DistStoreError and the like
+            raise RendezvousFailed(
+                f"rank {rank}: the ranks could not meet at {where}: {message_lines(err)}. The port may be in use "
+                "(set MASTER_PORT, or HVDTRAIN_INIT_METHOD=tcp://HOST:PORT, to a free one), or the host may not "
+                "be rank 0's or not reachable from this one (MASTER_ADDR)") from err
+        engine = cls(device, facts, where)
         if stall_timeout > 0:
             # dist: a collective that some rank never joins ends the job with a line naming that rank.
             engine._watchdog = StallWatchdog(engine.activity, _StoreBoard(store), stall_timeout,
@@ -268,6 +277,23 @@ def _init_method(one_host: bool) -> str:
     if method == "env://":
         os.environ.setdefault("MASTER_PORT", str(port_for_job()))
     return method
+
+
+def _require_resolvable(where: str, rank: int) -> None:
+    """A host name that does not resolve fails at once, not after the rendezvous timeout (torch
+    retries it for minutes)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(where).hostname
+    if not host or where.startswith("file://"):
+        return
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as err:
+        raise RendezvousFailed(f"rank {rank}: the ranks cannot meet at {where}: host '{host}' does not resolve "
+                               f"({err.strerror or err}). MASTER_ADDR (or the host in HVDTRAIN_INIT_METHOD) must "
+                               "name rank 0's host") from err
 
 
 _leave_at_once = False  # the engine has shut down: the process ends with leave_now
