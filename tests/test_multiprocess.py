@@ -469,3 +469,13 @@ def test_gather_brings_every_rank_s_object_to_rank_0_only(launcher):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 0 got [{'rank': 0, 'payload': []}, {'rank': 1, 'payload': [0, 1, 2]}]" in done.stdout, done.stdout
     assert "rank 1 got None" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "torchrun"])
+def test_fp16_compression_averages_gradients_whose_sum_would_overflow(launcher):
+    """Gradients of 40000 on each of 2 ranks: below fp16's limit, their sum is not. fp16 on the wire
+    divides before the sum on both engines, so the average arrives as 40000, not inf."""
+    done = run([*python_under(launcher), str(ROOT / "tests/workers/fp16_sum.py")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} averaged gradient [[40000.0, 40000.0, 40000.0, 40000.0]]" in done.stdout, done.stdout

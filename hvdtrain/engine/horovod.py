@@ -110,6 +110,9 @@ class HorovodEngine(WatchedEngine):
             compression=compression,
             backward_passes_per_step=sync.accumulate,
             op=hvd.Adasum if sync.adasum else hvd.Average,
+            # dist: fp16 on the wire divides by the world size before the sum, not after it: a sum of
+            # gradients each below fp16's limit (65504) can overflow where their average would not.
+            gradient_predivide_factor=float(hvd.size()) if sync.compression == "fp16" and not sync.adasum else 1.0,
         )
 
     def _updates_in_step(self) -> bool:

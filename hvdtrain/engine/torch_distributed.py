@@ -215,7 +215,9 @@ class _OverlappedAverage:
     def _start(self, index: int) -> None:
         bucket = self.buckets[index]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
-        wire = flat.half() if self.fp16 and flat.is_floating_point() else flat
+        # dist: fp16 on the wire divides before the sum (as DDP does): a sum of gradients each below
+        # fp16's limit can overflow where their average would not.
+        wire = flat.div(self.size).half() if self.fp16 and flat.is_floating_point() else flat
         self.started.append((dist.all_reduce(wire, async_op=True), wire, flat))  # dist: the sum over ranks
 
     def wait(self) -> None:
@@ -223,8 +225,10 @@ class _OverlappedAverage:
             self._start(len(self.started))
         for bucket, (work, wire, flat) in zip(self.buckets, self.started):
             work.wait()
-            flat = wire.to(flat.dtype) if wire is not flat else flat
-            flat.div_(self.size)  # dist: ... over the world size: the average
+            if wire is not flat:
+                flat = wire.to(flat.dtype)  # the average already
+            else:
+                flat.div_(self.size)  # dist: ... over the world size: the average
             offset = 0
             for param in bucket:
                 average = flat[offset:offset + param.numel()].view_as(param)
