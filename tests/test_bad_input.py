@@ -29,10 +29,14 @@ def files(tmp_path_factory) -> dict[str, str]:
     np.savez(folder / "no_x.npz", inputs=np.zeros((8, 2)), y=np.zeros(8, int))
     np.savez(folder / "negative.npz", x=np.zeros((8, 2)), y=np.array([0, 1, -1, 1, 0, 1, 0, 1]))
     np.savez(folder / "float_y.npz", x=np.zeros((8, 2)), y=np.linspace(0, 1, 8))
+    x = np.ones((8, 2))
+    x[5, 1] = np.nan
+    np.savez(folder / "nan_x.npz", x=x, y=np.array([0, 1] * 4))
     (folder / "wrong_type.yaml").write_text("data:\n  batch_size: lots\n")
     (folder / "unknown_key.yaml").write_text("train:\n  epohcs: 3\n")
     return {name: str(folder / f"{name}.{ext}") for name, ext in [
-        ("no_x", "npz"), ("negative", "npz"), ("float_y", "npz"), ("wrong_type", "yaml"), ("unknown_key", "yaml")]}
+        ("no_x", "npz"), ("negative", "npz"), ("float_y", "npz"), ("nan_x", "npz"), ("wrong_type", "yaml"),
+        ("unknown_key", "yaml")]}
 
 
 CASES = {
@@ -62,6 +66,8 @@ CASES = {
     "labels beyond the model's classes": (["--model", "user_code:three_logits"],
                                           "the labels reach 9 but the model's output has 3 classes"),
     "negative labels": (["--data", "{negative}", "--batch-size", "2"], "the labels include -1"),
+    "NaN in the data file": (["--data", "{nan_x}", "--batch-size", "2"],
+                             "x holds NaN or Inf in 1 of 8 samples, the first at index 5: clean or drop them"),
     "float targets for classification": (["--data", "{float_y}", "--batch-size", "2"],
                                          "classification needs integer class labels"),
     "dict batch without the target key": (["--data", "user_code:dict_blobs", "--model", "user_code:dict_net"],

@@ -3,6 +3,7 @@
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 
@@ -122,3 +123,15 @@ def test_host_memory_setting_takes_effect_and_yields_to_the_users_own(monkeypatc
     assert host_memory.keep_freed_memory() == (platform.libc_ver()[0] == "glibc")
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1048576")
     assert host_memory.keep_freed_memory() is False
+
+
+def test_a_non_finite_loss_from_non_finite_data_blames_the_data_not_the_learning_rate(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--engine", "local", "--progress", "off", "--data", "user_code:nan_in_one_sample",
+              "--batch-size", "16", "--epochs", "1",
+              "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1
+    assert re.search(r"non-finite loss at step \d+ on rank 0 \(loss nan\): the data holds NaN or Inf \(rank 0's "
+                     r"sample \d+ of its batch\)", err), err
+    assert "lower --lr" not in err and "Traceback" not in err

@@ -454,3 +454,58 @@ class _Augmented(Dataset):
 
 def augmented():
     return _Augmented(1600, 0), _Augmented(400, 1)
+
+
+def indexed():
+    """1600 training and 400 validation samples of 11 features, 4 classes, and a 12th column that
+    holds the sample's index in its split (for `records_indices`)."""
+    from torch.utils.data import TensorDataset
+
+    generator = torch.Generator().manual_seed(2)
+    y = torch.randint(0, 4, (2000,), generator=generator)
+    x = torch.randn(2000, 11, generator=generator) + y[:, None].float()
+    index = torch.cat([torch.arange(1600), torch.arange(400)]).float()[:, None]
+    x = torch.cat([x, index], dim=1)
+    return TensorDataset(x[:1600], y[:1600]), TensorDataset(x[1600:], y[1600:])
+
+
+class _RecordsIndices(_SignalsItself):
+    """`signals_itself` on `indexed` data: the index column is not a feature; each training forward
+    pass appends the indices it trained on to HVDTRAIN_TEST_RECORD/<pid>.txt."""
+
+    def forward(self, x):
+        import os
+
+        folder = os.environ.get("HVDTRAIN_TEST_RECORD")
+        if self.training and folder:
+            with open(os.path.join(folder, f"{os.getpid()}.txt"), "a") as record:
+                record.write("".join(f"{int(i)}\n" for i in x[:, -1].tolist()))
+        return super().forward(x[:, :-1])
+
+
+def records_indices(input_shape, num_classes):
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.models import build_model
+
+    return _RecordsIndices(build_model(ModelConfig(name="mlp"), (input_shape[0] - 1,), num_classes))
+
+
+def paced_in_first_allocation(input_shape, num_classes):
+    """The built-in MLP at 0.6 s a step in a Slurm job's first allocation (so that its time limit
+    comes in the middle of training), at full speed after a requeue and outside Slurm: the same
+    weights either way."""
+    import os
+
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.models import build_model
+
+    first = os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+    return _Paced(build_model(ModelConfig(name="mlp"), input_shape, num_classes), 0.6 if first else 0.0)
+
+
+def nan_in_one_sample():
+    """Blobs whose training sample 200 holds a NaN, in a data set of the user's own (not a checked file),
+    past the first batch that is checked before training."""
+    train, val = Blobs(240), Blobs(60)
+    train.x[200, 2] = float("nan")
+    return train, val

@@ -128,6 +128,7 @@ def _npz(path: Path, need_targets: bool = True) -> tuple[torch.Tensor, torch.Ten
         raise UserError(f"data file '{path}' is not a readable .npz file ({err}): write it with np.savez") from err
     if not np.issubdtype(x.dtype, np.number):
         raise UserError(f"data file '{path}': x must be numeric, got dtype {x.dtype}")
+    _require_finite(path, "x", x)
     inputs = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     if y is None:
         return inputs, None
@@ -135,9 +136,21 @@ def _npz(path: Path, need_targets: bool = True) -> tuple[torch.Tensor, torch.Ten
         raise UserError(f"data file '{path}': x has {len(x)} samples but y has {len(y)}: they must match")
     if not (np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_):
         raise UserError(f"data file '{path}': y must hold class labels or numbers, got dtype {y.dtype}")
+    _require_finite(path, "y", y)
     # Integer labels stay integers (classification); anything else becomes float32 (regression, multilabel).
     targets = y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else np.ascontiguousarray(y, dtype=np.float32)
     return inputs, torch.from_numpy(targets)
+
+
+def _require_finite(path: Path, key: str, values: np.ndarray) -> None:
+    """NaN or Inf in a data file would surface much later as a non-finite loss, blamed on the lr."""
+    if not np.issubdtype(values.dtype, np.floating) or len(values) == 0:
+        return
+    bad = ~np.isfinite(values.reshape(len(values), -1)).all(axis=1)
+    if bad.any():
+        first = int(np.argmax(bad))
+        raise UserError(f"data file '{path}': {key} holds NaN or Inf in {int(bad.sum())} of {len(values)} samples, "
+                        f"the first at index {first}: clean or drop them (np.isfinite) before training")
 
 
 def _from_factory(cfg: DataConfig, seed: int, target_key: str) -> DataSplit:

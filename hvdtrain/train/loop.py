@@ -105,6 +105,7 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engi
     loss_sum = torch.tensor(sums.loss, dtype=torch.float64, device=device)
     step = first_step
     window_losses: list[torch.Tensor] = []  # this step's micro-batch losses, to name a bad rank
+    window_batches: list[Any] = []  # and its batches, to tell bad data from a bad step
     window_samples = 0
     for index, batch in enumerate(batches):
         if index % accumulate == 0:  # before the forward: Adasum steps inside backward
@@ -113,6 +114,7 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engi
         batch = to_device(batch, device, channels_last)
         size = batch_size(batch)
         loss = forward_backward(model, task, batch, precision, accumulate)
+        window_batches.append(batch)
         window_losses.append(loss * size)
         window_samples += size
         if (index + 1) % accumulate == 0:
@@ -122,9 +124,9 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engi
             elif nonfinite == "skip":
                 sums.skipped += 1
             else:
-                _stop_on_nonfinite(engine, step, torch.stack(window_losses).sum())
+                _stop_on_nonfinite(engine, step, torch.stack(window_losses).sum(), window_batches)
             sums.samples += window_samples
-            window_losses, window_samples = [], 0
+            window_losses, window_batches, window_samples = [], [], 0
             step += 1
             if on_step is not None:
                 sums.loss = loss_sum  # a tensor until read: reading it would wait for the device
@@ -134,16 +136,37 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engi
     return EpochResult(float(totals[0]) / max(1, int(totals[2])), int(totals[1]), sums.skipped), step
 
 
-def _stop_on_nonfinite(engine: Engine, step: int, local_loss: torch.Tensor) -> None:
-    """Every rank gets here at the same step; name the ranks whose own loss was not finite."""
+def _stop_on_nonfinite(engine: Engine, step: int, local_loss: torch.Tensor, window: list[Any]) -> None:
+    """Every rank gets here at the same step; name the ranks whose own loss was not finite, and
+    whether their data was (a NaN in the input is no reason to lower the learning rate)."""
     from hvdtrain.errors import TrainingStopped
 
-    losses = engine.allgather_object(float(local_loss), "nonfinite")  # dist
-    bad = [f"rank {rank} (loss {value})" for rank, value in enumerate(losses) if not math.isfinite(value)]
+    found = (float(local_loss), _nonfinite_sample(window))
+    reports = engine.allgather_object(found, "nonfinite")  # dist
+    bad = [f"rank {rank} (loss {value})" for rank, (value, _) in enumerate(reports) if not math.isfinite(value)]
     where = ", ".join(bad) or "no rank's loss, but the gradients"
+    data = [f"rank {rank}'s {sample}" for rank, (_, sample) in enumerate(reports) if sample]
+    if data:
+        raise TrainingStopped(
+            f"non-finite loss at step {step + 1} on {where}: the data holds NaN or Inf ({', '.join(data)}): "
+            "training stopped on every rank and the checkpoints are kept; clean the data set, or pass "
+            "--nonfinite skip to drop such steps")
     raise TrainingStopped(
         f"non-finite loss at step {step + 1} on {where}: training stopped on every rank and the checkpoints "
         "are kept; lower --lr, clip with --clip-grad-norm, or pass --nonfinite skip to drop such steps")
+
+
+def _nonfinite_sample(window: list[Any]) -> str | None:
+    """`sample K of batch B of the step` for the first sample holding NaN or Inf, or None."""
+    for number, batch in enumerate(window):
+        parts = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]
+        for part in parts:
+            if isinstance(part, torch.Tensor) and part.is_floating_point() and part.dim() > 0:
+                bad = ~torch.isfinite(part.reshape(len(part), -1)).all(dim=1)
+                if bool(bad.any()):
+                    batch_note = f" of micro-batch {number + 1}" if len(window) > 1 else " of its batch"
+                    return f"sample {int(bad.int().argmax())}{batch_note}"
+    return None
 
 
 @dataclass
