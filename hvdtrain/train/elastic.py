@@ -22,6 +22,7 @@ from hvdtrain.engine import Engine
 from hvdtrain.engine.base import ElasticState
 from hvdtrain.io.checkpoint import CheckpointStore
 from hvdtrain.io.progress import bar_stream, say
+from hvdtrain.io.run_dir import RunFiles
 from hvdtrain.train.epoch import Totals, finish, open_run_files, run_epoch
 from hvdtrain.train.setup import Run, build, check_same_data, check_task, keep_learning_rate, shard, start_on_root
 
@@ -56,11 +57,12 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
         start_epoch=start_epoch, record=None, train_seconds=0.0, train_samples=0, lr_batch=lr_batch,
     )
     sizes: list[int] = []  # the world size of each attempt
-    return engine.run_elastic(lambda current: _train(current, run, config, engine, started, sizes), state)
+    opened: list[RunFiles] = []  # rank 0's run files of the attempt under way
+    return engine.run_elastic(lambda current: _train(current, run, config, engine, started, sizes, opened), state)
 
 
 def _train(state: ElasticState, run: Run, config: Config, engine: Engine, started: float,
-           sizes: list[int]) -> dict[str, Any]:
+           sizes: list[int], opened: list[RunFiles]) -> dict[str, Any]:
     """One attempt: from the last commit to the end, with the processes there are now."""
     if sizes and engine.is_root:
         say(f"hvdtrain: elastic: {engine.size} processes now (were {sizes[-1]}); going on from epoch "
@@ -77,7 +79,12 @@ def _train(state: ElasticState, run: Run, config: Config, engine: Engine, starte
     run_dir = Path(state.run_dir)
     totals = Totals(started, state.start_epoch, record=state.record,
                     train_seconds=state.train_seconds, train_samples=state.train_samples)
+    for previous in opened:  # an attempt that a change of processes ended: its TensorBoard writer too
+        previous.close()
+    opened.clear()
     files = open_run_files(config, engine, run, run_dir, state.epoch, state.step)
+    if files is not None:
+        opened.append(files)
     store = CheckpointStore(run_dir, config.run.keep_last, *run.best)
     stream = bar_stream(config.run.progress) if engine.is_root else None
     for epoch in range(state.epoch + 1, config.train.epochs + 1):
