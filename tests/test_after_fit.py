@@ -345,3 +345,22 @@ def test_every_flag_of_every_command_passes_through_the_launcher_unchanged(launc
     assert result.returncode == 0, out[-2000:]
     echoed = json.loads(next(line for line in out.splitlines() if "ARGV" in line).split("ARGV", 1)[1])
     assert echoed == argv
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "torchrun"])
+def test_evaluate_of_a_batch_norm_model_reproduces_fit_s_record(launcher, tmp_path):
+    """BatchNorm running statistics are averaged over ranks before validation and checkpoints
+    (train.dist_bn reduce), so `evaluate` of the checkpoint gives fit's validation metrics."""
+    from conftest import LAUNCHERS
+
+    run_dir = tmp_path / "run"
+    args = ["--data", "random", "--set", "data.samples=1200", "--set", "data.features=12",
+            "--model", "user_code:batch_norm_net", "--epochs", "2", "--threads", "1", "--progress", "off"]
+    _ok(run([*LAUNCHERS[launcher], "hvdtrain", "fit", *args, "--run-dir", str(run_dir)], cwd=tmp_path))
+    out = tmp_path / "eval.json"
+    _ok(run(["hvdtrain", "evaluate", str(run_dir), "--checkpoint", "last", "--output", str(out)], cwd=tmp_path))
+    result, record = json.loads(out.read_text()), _records(run_dir)[-1]
+    assert result["loss"] == pytest.approx(record["val_loss"], rel=1e-5)
+    assert result["acc"] == pytest.approx(record["val_acc"], abs=1e-9)

@@ -509,3 +509,9 @@ def nan_in_one_sample():
     train, val = Blobs(240), Blobs(60)
     train.x[200, 2] = float("nan")
     return train, val
+
+
+def batch_norm_net(input_shape, num_classes):
+    """A small net with BatchNorm, whose running statistics differ per rank unless shared."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], 32), nn.BatchNorm1d(32), nn.ReLU(),
+                         nn.Linear(32, num_classes))

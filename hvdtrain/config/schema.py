@@ -161,6 +161,10 @@ class TrainConfig:
     nonfinite: Literal["error", "skip"] = "error"
     """A NaN or Inf loss on any rank: `error` stops every rank at that step (checkpoints kept);
     `skip` drops that step's update on every rank and goes on. With fp16 the gradient scaler skips."""
+    dist_bn: Literal["reduce", "broadcast", "off"] = "reduce"
+    """dist: BatchNorm running statistics follow each rank's own batches; before each validation and
+    checkpoint `reduce` averages them over ranks, `broadcast` takes rank 0's, `off` leaves each rank
+    its own (validation then uses each rank's, and `evaluate` of a checkpoint differs from fit's)."""
     stall_timeout: int = 300
     """dist: seconds a collective may wait for missing ranks before the job stops, naming them
     (Horovod's stall inspector under MPI, hvdtrain's watchdog under Gloo; 0 switches it off)."""

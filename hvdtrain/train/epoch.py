@@ -22,6 +22,7 @@ from hvdtrain.io.progress import EpochProgress, epoch_line, say
 from hvdtrain.io.run_dir import RunFiles
 from hvdtrain.train.loop import EpochSums, evaluate, train_epoch
 from hvdtrain.train.preemption import StepCheck, rng_state, set_rng_state
+from hvdtrain.train.running_stats import share_running_stats
 from hvdtrain.train.setup import Run, Start, unwrapped
 
 
@@ -111,6 +112,7 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
         progress.close()
         engine.at(f"epoch {epoch}, evaluation")
         position[0] = f"epoch {epoch}, evaluation"
+        share_running_stats(run.model, engine, config.train.dist_bn)  # dist: what validation and checkpoint use
         val = evaluate(run.model, engine, run.task, run.val_batches, run.first.template, run.precision,
                        config.train.channels_last)
     except Exception as err:
@@ -156,6 +158,7 @@ def _mid_epoch_checkpoint(run: Run, config: Config, engine: Engine, store: Check
                          torch.tensor(float(sums.samples), dtype=torch.float64),
                          torch.tensor(float(sums.kept), dtype=torch.float64)])
     reduced = engine.allreduce_sum(local, "checkpoint_sums").tolist()  # dist
+    share_running_stats(run.model, engine, config.train.dist_bn)
     states = engine.allgather_object(rng_state(), "checkpoint_rng")  # dist: rank r's at index r
 
     def state() -> tuple[dict[str, Any], int, dict[str, float]]:
