@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -204,6 +205,37 @@ def test_checkpoints_every_n_steps_resume_on_fewer_and_more_processes(tmp_path):
         assert [r["world_size"] for r in records(copy)] == [2, np_, np_]
         assert [r["lr"] for r in records(copy)] == pytest.approx([r["lr"] for r in records(whole)], rel=1e-12)
         assert torch.load(copy / "checkpoints" / "last.pt", weights_only=True)["lr_batch"] == 64
+
+
+def test_the_rest_of_an_epoch_is_shared_by_fewer_or_more_processes_each_sample_once(tmp_path):
+    """Stopped at step 7 of 12 of the only epoch on 2 processes, resumed on 1 and on 4 with the same
+    global batch: the indices the model trained on, before and after, are the epoch's 12 global
+    batches (its order's first 1536 positions), each exactly once."""
+    from hvdtrain.data.sampler import FeistelPermutation
+
+    data = ["--data", "user_code:indexed", "--model", "user_code:records_indices", "--epochs", "1"]
+    expected = sorted(FeistelPermutation(1600, 0, 1)(np.arange(12 * 128)).tolist())
+    stopped, before = tmp_path / "stopped", tmp_path / "before"
+    before.mkdir()
+    os.environ["HVDTRAIN_TEST_RECORD"] = str(before)
+    try:
+        done = fit("horovodrun-gloo", stopped, *data, signal_at="0:7:SIGTERM")
+        assert done.returncode == 75, done.stderr[-3000:]
+        for np_, batch in ((1, "128"), (4, "32")):
+            copy, after = tmp_path / f"np{np_}", tmp_path / f"after-np{np_}"
+            shutil.copytree(stopped, copy)
+            after.mkdir()
+            os.environ["HVDTRAIN_TEST_RECORD"] = str(after)
+            prefix = [] if np_ == 1 else ["mpirun", "-np", "4", "--oversubscribe", "-x", "HVDTRAIN_TEST_RECORD"]
+            resumed = run([*prefix, "hvdtrain", "fit", *ARGS, *data, "--batch-size", batch, "--run-dir", str(copy),
+                           "--resume"], timeout=240)
+            assert resumed.returncode == 0, resumed.stderr[-3000:]
+            assert "896 samples into epoch 1" in resumed.stdout
+            seen = [int(line) for folder in (before, after) for path in folder.glob("*.txt")
+                    for line in path.read_text().split()]
+            assert len(seen) == 12 * 128 and sorted(seen) == expected
+    finally:
+        os.environ.pop("HVDTRAIN_TEST_RECORD")
 
 
 @pytest.fixture(scope="module")

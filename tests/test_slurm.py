@@ -117,6 +117,25 @@ def test_the_torch_engine_across_nodes_meets_on_the_step_s_first_node(cluster):
     assert done.stdout.split() == ["env://", "node07", str(29500 + 41)], done.stderr[-2000:]
 
 
+def test_two_steps_of_one_job_at_once_on_one_node_each_train_with_the_torch_engine(cluster):
+    """Two `srun` steps started together in one allocation, on one node, with no MASTER_PORT: each
+    step's ranks meet at a port of their own and both runs finish."""
+    root, env = cluster
+    fit = (f"hvdtrain fit --engine torch --progress off --data random --set data.samples=512 --epochs 1 "
+           f"--threads 1 --run-dir {root}/step")
+    script = root / "two-steps.sh"
+    script.write_text("#!/bin/bash\nunset MASTER_ADDR MASTER_PORT\n"
+                      f"srun --overlap -n 2 {fit}-a & first=$!\n"
+                      f"srun --overlap -n 2 {fit}-b & second=$!\n"
+                      "wait $first; a=$?; wait $second; b=$?\necho \"steps exited $a $b\"\nexit $((a | b))\n")
+    job = _submit(env, root, script=script)
+    state = _wait(env, job, timeout=180)
+    log = (root / f"job-{job}.log").read_text()
+    assert state == "COMPLETED" and "steps exited 0 0" in log, log[-3000:]
+    for step in ("a", "b"):
+        assert json.loads((root / f"step-{step}" / "summary.json").read_text())["world_size"] == 2
+
+
 def test_scancel_ends_every_task_and_resume_finishes(cluster):
     root, env = cluster
     run_dir = root / "cancelled"
@@ -171,6 +190,42 @@ def test_a_signal_to_the_tasks_requeues_the_job_which_resumes_and_finishes_exact
     assert _state(env, job) == "COMPLETED", text[-3000:]
     assert text.count("hvdtrain: stopped by SIGTERM at epoch") == 1 and f"requeueing job {job} (restart 1)" in text
     assert re.search(r"resuming from \S+epoch-000\d-sample-\d+\.pt", text), text[-3000:]
+    reference = tmp_path / "reference"
+    done = subprocess.run(["mpirun", "-np", "2", "--oversubscribe", "hvdtrain", "fit", "--progress", "off", *args,
+                           "--threads", "1", "--run-dir", str(reference)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_weights(final_weights(reference), final_weights(run_dir), atol=1e-6)
+
+
+def test_slurm_s_signal_before_the_time_limit_stops_the_job_which_requeues_and_finishes_exactly(cluster, tmp_path):
+    """Slurm's own clock: a one-minute limit with SIGUSR1 30 s before it (`--time=1 --signal=USR1@30`,
+    the script's lines with shorter times). The tasks, slowed in the first allocation only, are still
+    training when Slurm signals them: they stop with a checkpoint, the job requeues itself instead of
+    timing out, and the next allocation finishes with the weights of a run never stopped."""
+    root, env = cluster
+    run_dir = root / "time-limited"
+    args = ["--data", "random", "--set", "data.samples=2000", "--set", "data.features=12", "--epochs", "10",
+            "--model", "user_code:paced_in_first_allocation"]
+    done = subprocess.run(["sbatch", "--parsable", *CPU_JOB, "--time=1", "--signal=USR1@30",
+                           f"--output={root}/job-%j.log", str(ROOT / "launch" / "slurm.sbatch"), "--progress", "off",
+                           *args, "--run-dir", str(run_dir)], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip().split(";")[0]
+    log = root / f"job-{job}.log"
+    deadline = time.monotonic() + 150
+    while _state(env, job) != "PENDING" or subprocess.run(["pgrep", "-f", rf"slurmstepd: \[{job}\."]).returncode == 0:
+        assert _state(env, job) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"), \
+            f"job {job}: {_state(env, job)}; {log.read_text()[-3000:] if log.exists() else ''}"
+        assert time.monotonic() < deadline, f"job {job} not requeued: {_state(env, job)}"
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True, timeout=10)
+    assert _wait(env, job, timeout=180) == "COMPLETED", log.read_text()[-3000:]
+    text = log.read_text()
+    assert text.count("hvdtrain: stopped by SIGUSR1 at epoch") == 1 and f"requeueing job {job} (restart 1)" in text, \
+        text[-3000:]
+    assert "Traceback" not in text and "DUE TO TIME LIMIT" not in text, text[-3000:]
     reference = tmp_path / "reference"
     done = subprocess.run(["mpirun", "-np", "2", "--oversubscribe", "hvdtrain", "fit", "--progress", "off", *args,
                            "--threads", "1", "--run-dir", str(reference)], env=env, capture_output=True, text=True,

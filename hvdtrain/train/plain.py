@@ -23,6 +23,13 @@ from hvdtrain.train.setup import build, check_same_data, check_task, keep_learni
 
 def fit_plain(config: Config, engine: Engine, started: float) -> dict[str, Any]:
     """`fit` for a fixed set of processes."""
+    # From the start, not the first epoch: a signal during set-up (Slurm's, a user's) is noted and
+    # stops the run at its first step with a checkpoint, instead of killing the process.
+    with StopSignals(config.run.stop_signals) as signals:
+        return _fit(config, engine, started, signals)
+
+
+def _fit(config: Config, engine: Engine, started: float, signals: StopSignals) -> dict[str, Any]:
     with engine.agree("setup"):  # dist: a failure on any rank stops all of them here
         if config.run.horovod_timeline:
             engine.require_timeline()
@@ -53,12 +60,11 @@ def fit_plain(config: Config, engine: Engine, started: float) -> dict[str, Any]:
     stream = bar_stream(config.run.progress) if engine.is_root else None  # dist: rank 0 only
     if config.run.horovod_timeline:
         engine.start_timeline(run_dir / TIMELINE)
-    with StopSignals(config.run.stop_signals) as signals:
-        check = StepCheck(config.run, engine, signals)
-        for epoch in range(start.epoch + 1, config.train.epochs + 1):
-            resumed = start if epoch == start.epoch + 1 and start.position else None
-            step = run_epoch(run, config, engine, epoch, step, totals, files, store, stream,
-                             start=resumed.position if resumed else 0, check=check, resumed=resumed)
+    check = StepCheck(config.run, engine, signals)
+    for epoch in range(start.epoch + 1, config.train.epochs + 1):
+        resumed = start if epoch == start.epoch + 1 and start.position else None
+        step = run_epoch(run, config, engine, epoch, step, totals, files, store, stream,
+                         start=resumed.position if resumed else 0, check=check, resumed=resumed)
     if config.run.horovod_timeline:
         engine.stop_timeline()
     return finish(config, engine, run, run_dir, totals, files)
