@@ -116,7 +116,9 @@ class Engine(ABC):
         """Copies rank 0's optimizer state (as after a resume) to every rank."""
         if self.size == 1:
             return
-        state = self.broadcast_object(optimizer.state_dict() if self.is_root else None, "optimizer_state")
+        # dist: sent from the host: pickled CUDA tensors would be unpickled onto cuda:0 on every rank (a
+        # context and a copy there per rank); load_state_dict moves them to each rank's own device.
+        state = self.broadcast_object(_on_cpu(optimizer.state_dict()) if self.is_root else None, "optimizer_state")
         if not self.is_root:
             optimizer.load_state_dict(state)
 
@@ -270,6 +272,17 @@ class RankFailed(Exception):
     def __init__(self, rank: int, kind: str, message: str):
         super().__init__(f"rank {rank} failed: {message}")
         self.rank, self.kind, self.message = rank, kind, message
+
+
+def _on_cpu(value: Any) -> Any:
+    """`value` (a state dict: dicts, lists, tensors) with every tensor copied to the host."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {key: _on_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(item) for item in value)
+    return value
 
 
 def _report(error: BaseException) -> tuple[str, str]:
