@@ -113,6 +113,10 @@ class TorchEngine(WatchedEngine):
 
     def _synchronize(self, optimizer: torch.optim.Optimizer) -> None:
         self._gradients.wait()
+        if self.device.type == "cuda":
+            # dist: NCCL's wait() only orders the GPU's streams; the host would block later, in the
+            # loss's bool(), outside any collective the stall watchdog can name. Here it is named.
+            torch.cuda.current_stream(self.device).synchronize()
 
     def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # `step` never reduces here
