@@ -92,6 +92,60 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_step_and_the_resume_is_exac
     same_records(uninterrupted, run_dir)
 
 
+def test_a_signal_while_fit_sets_up_stops_at_the_first_step_with_a_checkpoint(tmp_path):
+    """SIGUSR1 (SIGTERM likewise) while the data set is built, before training: noted, not a death
+    by the signal's default action; every rank stops at step 1 with a checkpoint and exits 75."""
+    launcher = "torchrun"
+    run_dir = tmp_path / "run"
+    args = ["--data", "user_code:signals_while_loading", "--epochs", "2", "--threads", "1", "--progress", "off",
+            "--set", "run.stop_check_seconds=0", "--batch-size", "16"]
+    os.environ["HVDTRAIN_TEST_SETUP_SIGNAL"] = "SIGUSR1"
+    try:
+        stopped = run([*LAUNCHERS[launcher], "hvdtrain", "fit", *args, "--run-dir", str(run_dir)])
+    finally:
+        os.environ.pop("HVDTRAIN_TEST_SETUP_SIGNAL")
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 75, output[-3000:]
+    assert output.count("hvdtrain: stopped by SIGUSR1 at epoch 1, step 1: checkpoint written") == 1, output[-3000:]
+    assert (run_dir / "checkpoints" / "epoch-0001-sample-000000032.pt").is_file()
+    resumed = run([*LAUNCHERS[launcher], "hvdtrain", "fit", *args, "--run-dir", str(run_dir), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
+@pytest.mark.parametrize("launcher", HOROVOD_AND_TORCH)
+def test_a_signal_to_a_rank_still_importing_torch_stops_at_the_first_step(launcher, tmp_path):
+    """Slurm's --signal can come seconds after the start. SIGUSR1 to rank 1 as soon as it catches the
+    signal, before torch is even loaded in it: the rank notes it (it does not die of it), and every
+    rank stops at step 1 with a checkpoint."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *ARGS, "--epochs", "2", "--run-dir",
+                            str(run_dir)], env={**launch_env(), "HVDTRAIN_TEST_SIGNAL": ""}, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    launched, deadline, rank = psutil.Process(job.pid), time.monotonic() + 60, None
+    while rank is None and time.monotonic() < deadline and job.poll() is None:
+        rank = _ranks(launched).get(1)
+        if rank is not None and not _catches(rank.pid, signal.SIGUSR1):
+            rank = None
+    assert rank is not None, "rank 1 never caught SIGUSR1"
+    assert "libtorch" not in Path(f"/proc/{rank.pid}/maps").read_text(), "too late: torch is loaded already"
+    rank.send_signal(signal.SIGUSR1)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode == 75, output[-3000:]
+    assert output.count("hvdtrain: stopped by SIGUSR1 at epoch 1, step 1: checkpoint written") == 1, output[-3000:]
+
+
+def _catches(pid: int, number: int) -> bool:
+    """Whether the process has a handler for the signal (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask & (1 << (number - 1)))
+
+
 def test_a_signal_during_evaluation_stops_every_rank_at_that_epoch_s_end(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     stopped = fit("torchrun", run_dir, signal_at="1:v6:SIGTERM")  # 4 evaluation batches a rank: epoch 2's

@@ -515,3 +515,15 @@ def batch_norm_net(input_shape, num_classes):
     """A small net with BatchNorm, whose running statistics differ per rank unless shared."""
     return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], 32), nn.BatchNorm1d(32), nn.ReLU(),
                          nn.Linear(32, num_classes))
+
+
+def signals_while_loading():
+    """Blobs; with HVDTRAIN_TEST_SETUP_SIGNAL=NAME each rank sends itself that signal while its data
+    set is built, before training (a scheduler's signal soon after the start)."""
+    import os
+    import signal
+
+    name = os.environ.get("HVDTRAIN_TEST_SETUP_SIGNAL")
+    if name:
+        os.kill(os.getpid(), getattr(signal, name))
+    return Blobs(240), Blobs(60)

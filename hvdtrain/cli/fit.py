@@ -44,7 +44,8 @@ _FIT_OPTIONS = [
     click.option("--task", help="classification, regression, multilabel, language-model or package.module:function."),
     click.option("--epochs", type=int),
     click.option("--batch-size", type=int, help="Per process. dist: global batch = this x world size."),
-    click.option("--lr", type=float, help="For one process; scaled by world size unless --no-scale-lr."),
+    click.option("--lr", type=float, help="For one process's batch (optim.lr_batch); scaled by the global batch "
+                                          "unless --no-scale-lr."),
     click.option("--optimizer", type=click.Choice(["sgd", "adamw"])),
     click.option("--scale-lr/--no-scale-lr", default=None, help="Scale lr by the global batch (default on)."),
     click.option("--warmup-epochs", type=float, help="Linear lr warmup length."),
@@ -88,14 +89,20 @@ _FIT_OPTIONS = [
               help="Default: torch.distributed under torchrun, Horovod under horovodrun or mpirun.")
 def fit(config_path: str | None, assignments: Sequence[str], engine: str | None, debug: bool, **flags: Any) -> None:
     """Train a model; under horovodrun or mpirun, on every process."""
-    config = _fit_config(config_path, assignments, flags, engine)
+    from hvdtrain.train import early_signals
 
-    from hvdtrain.train.fit import fit as run_fit  # torch and horovod load only when training
+    early_signals.hold()  # a scheduler's signal while starting stops at the first step, not kills
+    try:
+        config = _fit_config(config_path, assignments, flags, engine)
 
-    with_engine(debug, lambda engine: run_fit(config, engine), kind=config.train.engine,
-                 device=config.train.device, threads=config.train.threads,
-                 stall_timeout=config.train.stall_timeout, keep_freed_memory=config.train.keep_freed_memory,
-                 timeline=config.run.horovod_timeline)
+        from hvdtrain.train.fit import fit as run_fit  # torch and horovod load only when training
+
+        with_engine(debug, lambda engine: run_fit(config, engine), kind=config.train.engine,
+                     device=config.train.device, threads=config.train.threads,
+                     stall_timeout=config.train.stall_timeout, keep_freed_memory=config.train.keep_freed_memory,
+                     timeline=config.run.horovod_timeline)
+    finally:
+        early_signals.restore()
 
 
 def _fit_config(config_path: str | None, assignments: Sequence[str], flags: dict[str, Any], engine: str | None = None):

@@ -17,6 +17,7 @@ from typing import Any
 
 from hvdtrain.config import Config
 from hvdtrain.engine import Engine
+from hvdtrain.train import early_signals
 from hvdtrain.train.elastic import fit_elastic
 from hvdtrain.train.plain import fit_plain
 
@@ -27,5 +28,6 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
     sys.stderr.write(f"hvdtrain: {engine.describe()}\n")  # every rank, once; one write keeps it whole
     sys.stderr.flush()
     if config.train.elastic:
+        early_signals.release(set())  # Horovod's elastic driver handles a lost worker itself
         return fit_elastic(config, engine, started)
     return fit_plain(config, engine, started)

@@ -21,6 +21,7 @@ import torch
 from hvdtrain.config import RunConfig
 from hvdtrain.config.schema import signal_numbers
 from hvdtrain.engine import Engine
+from hvdtrain.train import early_signals
 
 
 class StopSignals:
@@ -39,6 +40,9 @@ class StopSignals:
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # Python takes signals there only
+            early = early_signals.release(set(self.numbers))  # one that came while fit was starting
+            if early is not None:
+                self.received, self._received_at = early, time.monotonic()
             for number in self.numbers:
                 self._previous[number] = signal.signal(number, self._note)
         return self
