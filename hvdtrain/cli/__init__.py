@@ -40,19 +40,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         _main(argv)
     except SystemExit as leaving:
-        code = leaving.code
-        if code is not None and not isinstance(code, int):
-            print(code, file=sys.stderr)  # as the interpreter would have: sys.exit("message")
-        _leave_torch_engine(code if isinstance(code, int) else 0 if code is None else 1)
+        _leave_torch_engine(leaving.code)
+        raise
+    except BaseException:  # a bug: its traceback, then the same way out
+        if _torch_engine_leaves():
+            import traceback
+
+            traceback.print_exc()
+            _leave_torch_engine(1)
         raise
     _leave_torch_engine(0)
 
 
-def _leave_torch_engine(code: int) -> None:
-    """dist: a torch-engine rank leaves with os._exit, past the interpreter's teardown of the engine."""
+def _torch_engine_leaves() -> bool:
     engine = sys.modules.get("hvdtrain.engine.torch_distributed")
-    if engine is not None:
-        engine.leave_now(code)
+    return engine is not None and engine.leaves_at_once()
+
+
+def _leave_torch_engine(code: int | str | None) -> None:
+    """dist: a torch-engine rank leaves with os._exit, past the interpreter's teardown of the engine."""
+    if _torch_engine_leaves():
+        sys.modules["hvdtrain.engine.torch_distributed"].leave_now(code)
 
 
 def _main(argv: Sequence[str] | None) -> None:

@@ -9,7 +9,8 @@ to the ranks (sshd exits; mpirun ends them itself), so everything since the last
 lost. This entry runs the command as its child and passes a stop signal to the hvdtrain ranks
 among its descendants, which stop together at one step with a checkpoint (exit 75). With no rank
 in the pod (an MPIJob's launcher) it sends mpirun SIGUSR1, which Open MPI passes on to every rank.
-It exits with the command's status once the ranks are gone, and reaps orphans as PID 1 must.
+Once those ranks have stopped, the command gets the signal too (sshd would never end by itself);
+it exits with the command's status and reaps orphans as PID 1 must.
 """
 
 from __future__ import annotations
@@ -23,26 +24,41 @@ import time
 from hvdtrain.cli.launchers import FORWARDED, forward_to_ranks, ranks_below
 
 POLL_SECONDS = 0.2
+COMMAND_GRACE_SECONDS = 5.0
 
 
 def main(argv: list[str] | None = None) -> None:
     command = list(sys.argv[1:] if argv is None else argv) or ["/usr/sbin/sshd", "-De"]
-    child = subprocess.Popen(command)
+    pending: list[int] = []  # signals passed on to ranks; the command itself follows once they are gone
+    child: subprocess.Popen | None = None
 
     def pass_on(number: int, frame: object = None) -> None:
-        if ranks_below():
+        if child is None:  # before the command started: for it, once it has
+            pending.append(number)
+        elif ranks_below():
             forward_to_ranks(number)
+            pending.append(number)
         elif os.path.basename(command[0]) in ("mpirun", "mpiexec", "orterun", "prterun"):
             child.send_signal(signal.SIGUSR1)  # Open MPI passes SIGUSR1 on to the ranks; SIGTERM it acts on
         else:
             child.send_signal(number)
 
-    for number in FORWARDED:
+    for number in FORWARDED:  # before the command starts: as PID 1, a signal without a handler is lost
         signal.signal(number, pass_on)
-    code = None
+    child = subprocess.Popen(command)
+    if pending:
+        pass_on(pending.pop())
+    code, ranks_gone = None, None
     while code is None:
         time.sleep(POLL_SECONDS)
         code = _reap(child.pid) if os.getpid() == 1 else child.poll()
+        if code is None and pending and not ranks_below():
+            ranks_gone = ranks_gone or time.monotonic()
+            # The ranks have stopped and the command is still there: it would never end by itself
+            # (sshd; mpirun ends a moment after its ranks and keeps their status): it follows them.
+            if time.monotonic() - ranks_gone > COMMAND_GRACE_SECONDS:
+                child.send_signal(pending.pop())
+                pending.clear()
     sys.exit(code if code >= 0 else 128 - code)
 
 

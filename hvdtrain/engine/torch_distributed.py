@@ -307,15 +307,24 @@ def _require_resolvable(where: str, rank: int) -> None:
 _leave_at_once = False  # the engine has shut down: the process ends with leave_now
 
 
-def leave_now(code: int) -> None:
-    """Ends this process at once with `code` once the engine has shut down: the interpreter's own
-    teardown of torch.distributed's C++ side can abort. Every file of the run is closed by then;
-    what is left to flush is the standard streams and logging's handlers."""
+def leaves_at_once() -> bool:
+    """Whether the engine has shut down, so that the process should end with `leave_now`."""
+    return _leave_at_once
+
+
+def leave_now(code: int | str | None) -> None:
+    """Ends this process at once with `code` (sys.exit's: a message is printed, status 1) once the
+    engine has shut down: the interpreter's own teardown of torch.distributed's C++ side can abort.
+    The run's files are closed by then (fit closes them on every way out); what is left to flush
+    is the standard streams and logging's handlers. Data-loader workers see their parent gone and
+    end within seconds."""
     if _leave_at_once:
         import logging
         import sys
 
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)  # as the interpreter would have for sys.exit("message")
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        os._exit(code if isinstance(code, int) else 0 if code is None else 1)

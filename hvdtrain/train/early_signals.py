@@ -1,50 +1,65 @@
-"""Stop signals that arrive while `fit` is still starting: before the imports, the engine and the
-set-up are done, SIGTERM or SIGUSR1 (Slurm's --signal can come within seconds of the start) would
-kill a rank with its default action, and a requeue script would see a failure instead of a stop.
-`hold` notes them from the first moment; `preemption.StopSignals` takes the note over and stops at
-the first step with a checkpoint. Imports nothing heavy: it runs before torch is imported.
+"""A stop signal that arrives while `fit` is still starting: Slurm's --signal (SIGUSR1 in
+launch/slurm.sbatch) can come within seconds of the start, before the imports, the engine and the
+set-up are done, and its default action would kill the rank: a requeue script would see a failure
+instead of a stop. `hold` notes SIGUSR1 from the first moment; `preemption.StopSignals` takes the
+note over and stops at the first step with a checkpoint. SIGTERM and SIGINT keep their defaults
+while starting: a launcher ending a job that failed to start, or Ctrl-C, ends it at once (there is
+nothing to save yet). Imports nothing heavy: it runs before torch is imported.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from typing import Any
 
-HELD = (signal.SIGTERM, signal.SIGUSR1)  # SIGINT keeps Python's default: Ctrl-C while starting ends at once
+HELD = (signal.SIGUSR1,)
+# A repeat within this many seconds is the same delivery reaching the process twice; a later one
+# insists, and acts as its default would.
+SAME_DELIVERY_SECONDS = 2.0
 
-_noted: list[int] = []
-_previous: dict[int, Any] = {}
+_noted: list[tuple[int, float]] = []  # (signal, time.monotonic())
+_original: dict[int, Any] = {}
 
 
 def hold() -> None:
-    """Notes HELD signals instead of dying on them, until `release`."""
+    """Notes HELD signals instead of dying on them, until `take_over` or `restore`."""
     if threading.current_thread() is not threading.main_thread():
         return
     for number in HELD:
-        _previous[number] = signal.signal(number, _note)
+        _original[number] = signal.signal(number, _note)
 
 
-def release(wanted: set[int]) -> int | None:
-    """Gives the signals back; returns the first one noted that is `wanted` (a stop signal of the
-    run). One noted that is not wanted acts now as it would have when it came."""
-    for number, handler in _previous.items():
-        signal.signal(number, handler)
-    _previous.clear()
-    noted, _noted[:] = list(_noted), []
+def take_over(wanted: set[int]) -> tuple[int | None, dict[int, Any]]:
+    """For StopSignals, once its own handlers for `wanted` are in place (so no signal falls between
+    the two): the first held signal noted that is wanted, and the handlers there were before `hold`
+    (to put back at the end). A held signal that is not wanted gets its handler back, and one noted
+    acts now as it would have when it came."""
+    originals = dict(_original)
+    for number, handler in _original.items():
+        if number not in wanted:
+            signal.signal(number, handler)
+    _original.clear()
+    noted, _noted[:] = [number for number, _ in _noted], []
     for number in noted:
         if number not in wanted:
             signal.raise_signal(number)
-    return next((number for number in noted if number in wanted), None)
+    return next((number for number in noted if number in wanted), None), originals
 
 
 def restore() -> None:
-    """Gives the signals back if `release` did not (fit ended before training), dropping any noted."""
-    for number, handler in _previous.items():
+    """Gives the signals back if StopSignals did not take them over (fit ended before training)."""
+    for number, handler in _original.items():
         signal.signal(number, handler)
-    _previous.clear()
+    _original.clear()
     _noted.clear()
 
 
 def _note(number: int, frame: Any) -> None:
-    _noted.append(number)
+    now = time.monotonic()
+    if any(number == noted and now - at >= SAME_DELIVERY_SECONDS for noted, at in _noted):
+        signal.signal(number, _original.get(number, signal.SIG_DFL))  # insisting: as if never held
+        signal.raise_signal(number)
+        return
+    _noted.append((number, now))

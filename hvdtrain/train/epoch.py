@@ -181,17 +181,23 @@ def _save_together(engine: Engine, store: CheckpointStore, make: Callable[[], tu
         # dist: not one long wait in a collective (the stall watchdog, Horovod's stall inspector and
         # the process group's timeout would each end a healthy job during a slow write) but short
         # ones: every POLL_SECONDS a tiny allreduce of whether rank 0's writer thread is done.
-        while True:
-            done = writer.wait(POLL_SECONDS) if writer is not None else False
-            late = writer is not None and not done and time.monotonic() - started > timeout
-            flags = engine.allreduce_sum(torch.tensor([float(done), float(late)]), "checkpoint_written").tolist()
-            if flags[0] or flags[1]:
-                break
+        try:
+            while True:
+                done = writer.wait(POLL_SECONDS) if writer is not None else False
+                late = writer is not None and not done and time.monotonic() - started > timeout
+                flags = engine.allreduce_sum(torch.tensor([float(done), float(late)]), "checkpoint_written").tolist()
+                if flags[0] or flags[1]:
+                    break
+        except BaseException:
+            if writer is not None:  # another rank was lost meanwhile: not with a write still reading the model
+                writer.wait(WRITER_JOIN_SECONDS)
+            raise
         if writer is not None:  # the others learn of a failure in the agreement, from rank 0's line
             writer.raise_failure(store, late, timeout)
 
 
 POLL_SECONDS = 0.5
+WRITER_JOIN_SECONDS = 60.0  # how long a failing rank 0 lets its write finish before it goes on
 
 
 class _Writer:

@@ -111,10 +111,10 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engi
         if index % accumulate == 0:  # before the forward: Adasum steps inside backward
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step)
+        window_batches.append(batch)  # as loaded (on the host): only a failing step looks at it
         batch = to_device(batch, device, channels_last)
         size = batch_size(batch)
         loss = forward_backward(model, task, batch, precision, accumulate)
-        window_batches.append(batch)
         window_losses.append(loss * size)
         window_samples += size
         if (index + 1) % accumulate == 0:

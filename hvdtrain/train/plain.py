@@ -61,10 +61,15 @@ def _fit(config: Config, engine: Engine, started: float, signals: StopSignals) -
     if config.run.horovod_timeline:
         engine.start_timeline(run_dir / TIMELINE)
     check = StepCheck(config.run, engine, signals)
-    for epoch in range(start.epoch + 1, config.train.epochs + 1):
-        resumed = start if epoch == start.epoch + 1 and start.position else None
-        step = run_epoch(run, config, engine, epoch, step, totals, files, store, stream,
-                         start=resumed.position if resumed else 0, check=check, resumed=resumed)
+    try:
+        for epoch in range(start.epoch + 1, config.train.epochs + 1):
+            resumed = start if epoch == start.epoch + 1 and start.position else None
+            step = run_epoch(run, config, engine, epoch, step, totals, files, store, stream,
+                             start=resumed.position if resumed else 0, check=check, resumed=resumed)
+    except BaseException:
+        if files is not None:  # a stop or a failure: TensorBoard's last events are written too
+            files.close()
+        raise
     if config.run.horovod_timeline:
         engine.stop_timeline()
     return finish(config, engine, run, run_dir, totals, files)

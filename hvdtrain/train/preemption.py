@@ -40,11 +40,13 @@ class StopSignals:
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # Python takes signals there only
-            early = early_signals.release(set(self.numbers))  # one that came while fit was starting
-            if early is not None:
-                self.received, self._received_at = early, time.monotonic()
             for number in self.numbers:
                 self._previous[number] = signal.signal(number, self._note)
+            # Then the one that came while fit was starting: no moment without a handler in between.
+            early, originals = early_signals.take_over(set(self.numbers))
+            self._previous.update({n: h for n, h in originals.items() if n in self._previous})
+            if early is not None and self.received is None:
+                self.received, self._received_at = early, time.monotonic()
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -1,0 +1,44 @@
+"""Stop signals in one process: held while fit starts, taken over by StopSignals, insisted on."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from hvdtrain.train import early_signals
+from hvdtrain.train.preemption import StopSignals
+
+
+def test_a_signal_held_while_starting_is_the_stop_signal_of_training():
+    before = signal.getsignal(signal.SIGUSR1)
+    early_signals.hold()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.01)
+    with StopSignals("SIGTERM,SIGUSR1") as signals:
+        assert signals.received == signal.SIGUSR1
+        assert signal.getsignal(signal.SIGUSR1) == signals._note  # no moment without a handler
+    assert signal.getsignal(signal.SIGUSR1) == before  # what there was before fit, not the holder
+
+
+def test_a_held_signal_that_is_not_a_stop_signal_acts_when_training_begins():
+    done = subprocess.run([sys.executable, "-c", (
+        "import os, signal, time\n"
+        "from hvdtrain.train import early_signals\n"
+        "from hvdtrain.train.preemption import StopSignals\n"
+        "early_signals.hold(); os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.01)\n"
+        "print('held', flush=True)\n"
+        "with StopSignals('SIGTERM'): print('not reached', flush=True)\n")], capture_output=True, text=True)
+    assert done.returncode == -signal.SIGUSR1 and done.stdout == "held\n", done
+
+
+def test_a_held_signal_repeated_later_ends_the_process_as_its_default_would():
+    done = subprocess.run([sys.executable, "-c", (
+        "import os, signal, time\n"
+        "from hvdtrain.train import early_signals\n"
+        "early_signals.hold(); os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.01)\n"
+        "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.01); print('same delivery', flush=True)\n"
+        "time.sleep(early_signals.SAME_DELIVERY_SECONDS)\n"
+        "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.5); print('not reached', flush=True)\n")],
+        capture_output=True, text=True)
+    assert done.returncode == -signal.SIGUSR1 and done.stdout == "same delivery\n", done
