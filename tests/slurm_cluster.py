@@ -127,6 +127,25 @@ def slurm_cluster(root: Path) -> Iterator[dict[str, str]]:
                 daemon.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 daemon.kill()
+        _kill_step_daemons(root)
+
+
+def _kill_step_daemons(root: Path) -> None:
+    """The slurmstepd processes of this cluster's jobs, still running when it stopped (a job killed
+    mid-step): they would outlive it, retrying a slurmd that is gone, and a later cluster's test
+    would take them for its own job's steps (job ids start at 1 again)."""
+    import signal
+
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if not (proc / "cmdline").read_bytes().startswith(b"slurmstepd"):
+                continue
+            if any(str(root) in os.readlink(fd) for fd in (proc / "fd").iterdir()):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
 
 
 def _node_idle(env: dict[str, str]) -> bool:

@@ -479,3 +479,16 @@ def test_fp16_compression_averages_gradients_whose_sum_would_overflow(launcher):
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} averaged gradient [[40000.0, 40000.0, 40000.0, 40000.0]]" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "torchrun"])
+def test_a_parameter_no_rank_uses_is_left_alone_by_momentum_and_weight_decay(launcher, tmp_path):
+    """As with DDP: a parameter whose gradient no rank computed gets none, so the optimizer skips it
+    (with a zero gradient, weight decay and momentum moved it every step)."""
+    run_dir = tmp_path / "run"
+    done = run([*LAUNCHERS[launcher], "hvdtrain", "fit", *RANDOM, "--model", "user_code:with_unused_branch",
+                "--epochs", "2", "--progress", "off", "--set", "optim.weight_decay=0.01", "--run-dir", str(run_dir)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    states = [torch.load(run_dir / "checkpoints" / f"epoch-000{e}.pt", weights_only=True)["model"] for e in (1, 2)]
+    assert torch.equal(states[0]["unused.weight"], states[1]["unused.weight"])
+    assert not torch.equal(states[0]["inner.1.weight"], states[1]["inner.1.weight"])  # the rest trains

@@ -527,3 +527,21 @@ def signals_while_loading():
     if name:
         os.kill(os.getpid(), getattr(signal, name))
     return Blobs(240), Blobs(60)
+
+
+class _WithUnusedBranch(nn.Module):
+    """The built-in MLP and a layer no rank ever calls."""
+
+    def __init__(self, inner: nn.Module, width: int):
+        super().__init__()
+        self.inner, self.unused = inner, nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def with_unused_branch(input_shape, num_classes):
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.models import build_model
+
+    return _WithUnusedBranch(build_model(ModelConfig(name="mlp"), input_shape, num_classes), input_shape[0])

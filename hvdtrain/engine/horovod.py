@@ -119,7 +119,16 @@ class HorovodEngine(WatchedEngine):
         return self._adasum  # Horovod's Adasum optimizer combines parameter deltas inside step()
 
     def _synchronize(self, optimizer: torch.optim.Optimizer) -> None:
+        # dist: whether each rank computed each gradient, summed in the same fused cycle as the
+        # gradients: Horovod fills a missing one with zeros, and one that no rank computed keeps none
+        # (as with DDP), so momentum and weight decay leave that parameter alone.
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+        handle = hvd.allreduce_async(used, op=hvd.Sum, name="hvdtrain.gradients_used")
         optimizer.synchronize()
+        for param, users in zip(params, hvd.synchronize(handle).tolist()):
+            if users == 0:
+                param.grad = None
 
     def is_engine_signal(self, err: BaseException) -> bool:
         return is_collective_failure(err) or isinstance(err, HostsUpdatedInterrupt)

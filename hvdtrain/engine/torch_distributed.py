@@ -218,7 +218,11 @@ class _OverlappedAverage:
 
     def _start(self, index: int) -> None:
         bucket = self.buckets[index]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
+        # dist: one flag per parameter rides along, whether this rank computed its gradient: one that
+        # no rank computed keeps none (as with DDP), so momentum and weight decay leave it alone.
+        used = torch.tensor([float(p.grad is not None) for p in bucket], dtype=grads[0].dtype, device=grads[0].device)
+        flat = torch.cat([*grads, used])
         # dist: fp16 on the wire divides before the sum (as DDP does): a sum of gradients each below
         # fp16's limit can overflow where their average would not.
         wire = flat.div(self.size).half() if self.fp16 and flat.is_floating_point() else flat
@@ -233,14 +237,17 @@ class _OverlappedAverage:
                 flat = wire.to(flat.dtype)  # the average already
             else:
                 flat.div_(self.size)  # dist: ... over the world size: the average
+            used = flat[len(flat) - len(bucket):].tolist()
             offset = 0
-            for param in bucket:
+            for param, users in zip(bucket, used):
                 average = flat[offset:offset + param.numel()].view_as(param)
-                if param.grad is None:
+                offset += param.numel()
+                if users == 0:  # no rank computed it
+                    param.grad = None
+                elif param.grad is None:
                     param.grad = average.clone()
                 else:
                     param.grad.copy_(average)
-                offset += param.numel()
         self.started.clear()
         self.final = [0] * len(self.buckets)
         self.passes_left = dict.fromkeys(self.passes_left, self.accumulate)

@@ -291,5 +291,13 @@ def _checkpoint_state(run: Run, config: Config, engine: Engine, epoch: int, step
 
 
 def _seed(seed: int, epoch: int, rank: int) -> None:
-    # Per epoch and rank, so dropout and augmentation replay exactly after a resume.
-    torch.manual_seed(seed * 1_000_003 + epoch * 1_009 + rank)
+    # Per epoch and rank, so dropout and augmentation (torch's, numpy's or Python's, in this process)
+    # replay exactly after a resume.
+    import random
+
+    import numpy as np
+
+    value = seed * 1_000_003 + epoch * 1_009 + rank
+    torch.manual_seed(value)
+    np.random.seed(value % 2**32)
+    random.seed(value)

@@ -28,6 +28,6 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
     sys.stderr.write(f"hvdtrain: {engine.describe()}\n")  # every rank, once; one write keeps it whole
     sys.stderr.flush()
     if config.train.elastic:
-        early_signals.release(set())  # Horovod's elastic driver handles a lost worker itself
+        early_signals.take_over(set())  # no stop signals: Horovod's elastic driver replaces a worker that dies
         return fit_elastic(config, engine, started)
     return fit_plain(config, engine, started)
