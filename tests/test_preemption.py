@@ -392,11 +392,15 @@ def test_one_rank_killed_at_random_moments_stops_the_job_and_each_resume_is_exac
     moments = int(os.environ.get("HVDTRAIN_KILL_MOMENTS", "3"))
     seed = int(os.environ.get("HVDTRAIN_KILL_SEED", str(time.time_ns() % 10_000)))
     chance = random.Random(seed)
-    # From the ranks' start (imports, set-up) to the end of training, about.
-    span = 2.0 + json.loads((uninterrupted / "summary.json").read_text())["wall_s"]
+    training = json.loads((uninterrupted / "summary.json").read_text())["wall_s"]  # fit's own time, about
     for moment in range(moments):
-        launcher, victim, delay = KILL_LAUNCHERS[moment % 3], chance.randrange(2), chance.uniform(0.0, span)
-        about = f"moment {moment} (HVDTRAIN_KILL_SEED={seed}): {launcher}, rank {victim} after {delay:.2f} s"
+        launcher, victim = KILL_LAUNCHERS[moment % 3], chance.randrange(2)
+        # A quarter while the ranks start (imports, rendezvous, set-up); the rest once rank 0 has opened
+        # the run directory: steps, allreduces, checkpoint writes, evaluation.
+        starting = chance.random() < 0.25
+        delay = chance.uniform(0.0, 2.0 if starting else training)
+        phase = "after the ranks started" if starting else "into training"
+        about = f"moment {moment} (HVDTRAIN_KILL_SEED={seed}): {launcher}, rank {victim}, {delay:.2f} s {phase}"
         run_dir = tmp_path / f"run{moment}"
         env = {**launch_env(), "HVDTRAIN_TEST_SIGNAL": "", "HVDTRAIN_TEST_DROPOUT": "0.2"}
         extra = ["-x", "HVDTRAIN_TEST_SIGNAL", "-x", "HVDTRAIN_TEST_DROPOUT"] if launcher == "mpirun" else []
@@ -409,6 +413,8 @@ def test_one_rank_killed_at_random_moments_stops_the_job_and_each_resume_is_exac
             time.sleep(0.01)
         assert len(ranks) == 2, about
         family = [launched, *launched.children(recursive=True)]
+        while not starting and not (run_dir / "config.yaml").exists() and job.poll() is None:
+            time.sleep(0.01)
         time.sleep(delay)
         killed = time.monotonic()
         try:
