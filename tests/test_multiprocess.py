@@ -47,11 +47,7 @@ def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_
     if launcher == "torchrun":  # --engine auto picks torch; the shared run
         run_dir, done = request.getfixturevalue("digits_torchrun")
     else:  # ranks meet at a tcp:// address, as init_process_group(init_method="tcp://...") in a tutorial
-        import socket
-
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = _free_port()
         run_dir = tmp_path / "run"
         done = run([*LAUNCHERS[launcher], "-x", f"HVDTRAIN_INIT_METHOD=tcp://127.0.0.1:{port}", "hvdtrain", "fit",
                     "--progress", "off", "--epochs", "3", "--log-every", "4", "--run-dir", str(run_dir),

@@ -30,8 +30,10 @@ def cluster(tmp_path_factory):
         yield root, {**launch_env(), "SLURM_CONF": env["SLURM_CONF"], "PATH": f"/usr/sbin:{launch_env()['PATH']}"}
 
 
-def _submit(env: dict, root: Path, *args: str, script: Path = ROOT / "launch" / "slurm.sbatch") -> str:
-    done = subprocess.run(["sbatch", "--parsable", *CPU_JOB, f"--output={root}/job-%j.log", str(script),
+def _submit(env: dict, root: Path, *args: str, script: Path = ROOT / "launch" / "slurm.sbatch",
+            options: tuple[str, ...] = ()) -> str:
+    """sbatch `script` with `args` (after --progress off); `options` go to sbatch itself."""
+    done = subprocess.run(["sbatch", "--parsable", *CPU_JOB, *options, f"--output={root}/job-%j.log", str(script),
                            "--progress", "off", *args], env=env, cwd=root, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().split(";")[0]
@@ -51,6 +53,27 @@ def _wait(env: dict, job: str, timeout: float = 300) -> str:
             return state
         time.sleep(0.5)
     raise AssertionError(f"job {job} still {state} after {timeout} s")
+
+
+def _start_again_once_requeued(env: dict, job: str, log: Path, timeout: float) -> None:
+    """Waits until the job has requeued itself (its script said so, it is pending, its steps are gone),
+    then lets it start at once."""
+    deadline = time.monotonic() + timeout
+    while not (log.exists() and "requeueing job" in log.read_text()) or _state(env, job) != "PENDING" or \
+            subprocess.run(["pgrep", "-f", rf"slurmstepd: \[{job}\."]).returncode == 0:
+        assert _state(env, job) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"), \
+            f"job {job}: {_state(env, job)}; {log.read_text()[-3000:] if log.exists() else ''}"
+        assert time.monotonic() < deadline, f"job {job} not requeued: {_state(env, job)}"
+        time.sleep(0.2)
+    _start_now(env, job)
+
+
+def _assert_weights_of_a_run_never_stopped(env: dict, args: list[str], run_dir: Path, reference: Path) -> None:
+    done = subprocess.run(["mpirun", "-np", "2", "--oversubscribe", "hvdtrain", "fit", "--progress", "off", *args,
+                           "--threads", "1", "--run-dir", str(reference)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_weights(final_weights(reference), final_weights(run_dir), atol=1e-6)
 
 
 def _start_now(env: dict, job: str) -> None:
@@ -183,29 +206,15 @@ def test_a_signal_to_the_tasks_requeues_the_job_which_resumes_and_finishes_exact
         time.sleep(0.1)
     subprocess.run(["scancel", "--signal=TERM", job], env=env, check=True, timeout=10)
     log = root / f"job-{job}.log"
-    # Slurm holds a requeued job for about two minutes before it may start again (not what is tested):
-    # once it is pending and its first run's slurmstepd has gone, it may start now.
-    deadline = time.monotonic() + 60
-    while _state(env, job) != "PENDING" or subprocess.run(["pgrep", "-f", rf"slurmstepd: \[{job}\."]).returncode == 0:
-        assert time.monotonic() < deadline, f"job {job} not requeued: {_state(env, job)}; {log.read_text()[-3000:]}"
-        time.sleep(0.2)
-    _start_now(env, job)
-    deadline = time.monotonic() + 300
-    while _state(env, job) != "COMPLETED" and time.monotonic() < deadline:
-        assert _state(env, job) not in ("FAILED", "CANCELLED", "TIMEOUT", "GONE"), log.read_text()[-3000:]
-        time.sleep(0.5)
+    # Slurm holds a requeued job for about two minutes before it may start again (not what is tested).
+    _start_again_once_requeued(env, job, log, timeout=60)
+    assert _wait(env, job, timeout=300) == "COMPLETED", log.read_text()[-3000:]
     text = log.read_text()
-    assert _state(env, job) == "COMPLETED", text[-3000:]
     # Inside epoch 2 as a rule; at the end of epoch 1 when it came during that epoch's checkpoint.
     assert len(re.findall(r"hvdtrain: stopped by SIGTERM at (the end of )?epoch", text)) == 1, text[-3000:]
     assert f"requeueing job {job} (restart 1)" in text
     assert re.search(r"resuming from \S+epoch-000\d(-sample-\d+)?\.pt", text), text[-3000:]
-    reference = tmp_path / "reference"
-    done = subprocess.run(["mpirun", "-np", "2", "--oversubscribe", "hvdtrain", "fit", "--progress", "off", *args,
-                           "--threads", "1", "--run-dir", str(reference)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert_same_weights(final_weights(reference), final_weights(run_dir), atol=1e-6)
+    _assert_weights_of_a_run_never_stopped(env, args, run_dir, tmp_path / "reference")
 
 
 def test_slurm_s_signal_before_the_time_limit_stops_the_job_which_requeues_and_finishes_exactly(cluster, tmp_path):
@@ -217,29 +226,12 @@ def test_slurm_s_signal_before_the_time_limit_stops_the_job_which_requeues_and_f
     run_dir = root / "time-limited"
     args = ["--data", "random", "--set", "data.samples=2000", "--set", "data.features=12", "--epochs", "10",
             "--model", "user_code:paced_in_first_allocation"]
-    done = subprocess.run(["sbatch", "--parsable", *CPU_JOB, "--time=1", "--signal=USR1@30",
-                           f"--output={root}/job-%j.log", str(ROOT / "launch" / "slurm.sbatch"), "--progress", "off",
-                           *args, "--run-dir", str(run_dir)], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=30)
-    assert done.returncode == 0, done.stderr
-    job = done.stdout.strip().split(";")[0]
+    job = _submit(env, root, *args, "--run-dir", str(run_dir), options=("--time=1", "--signal=USR1@30"))
     log = root / f"job-{job}.log"
-    deadline = time.monotonic() + 150
-    while not (log.exists() and "requeueing job" in log.read_text()) or _state(env, job) != "PENDING" or \
-            subprocess.run(["pgrep", "-f", rf"slurmstepd: \[{job}\."]).returncode == 0:
-        assert _state(env, job) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"), \
-            f"job {job}: {_state(env, job)}; {log.read_text()[-3000:] if log.exists() else ''}"
-        assert time.monotonic() < deadline, f"job {job} not requeued: {_state(env, job)}"
-        time.sleep(0.5)
-    _start_now(env, job)
+    _start_again_once_requeued(env, job, log, timeout=150)
     assert _wait(env, job, timeout=180) == "COMPLETED", log.read_text()[-3000:]
     text = log.read_text()
     assert len(re.findall(r"hvdtrain: stopped by SIGUSR1 at (the end of )?epoch", text)) == 1, text[-3000:]
     assert f"requeueing job {job} (restart 1)" in text, text[-3000:]
     assert "Traceback" not in text and "DUE TO TIME LIMIT" not in text, text[-3000:]
-    reference = tmp_path / "reference"
-    done = subprocess.run(["mpirun", "-np", "2", "--oversubscribe", "hvdtrain", "fit", "--progress", "off", *args,
-                           "--threads", "1", "--run-dir", str(reference)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert_same_weights(final_weights(reference), final_weights(run_dir), atol=1e-6)
+    _assert_weights_of_a_run_never_stopped(env, args, run_dir, tmp_path / "reference")

@@ -45,6 +45,15 @@ def batches(dataset: Dataset, sampler: Sampler[list[int]] | list[list[int]], num
                       persistent_workers=num_workers > 0, collate_fn=collate, generator=torch.Generator())
 
 
+def seed_generators(seed: int) -> None:
+    """Seeds the random generators a data set or a model may draw from: torch's, numpy's, Python's."""
+    import random
+
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
 class _SeededInWorkers(Dataset):
     """The data set, as a data-loader worker loads it: seeded with the batch's own seed first
     (`sampler.SeededBatch`). The main process keeps its own random state, which a checkpoint
@@ -62,11 +71,7 @@ class _SeededInWorkers(Dataset):
     def __getitems__(self, indices: list[Any]) -> list[Any]:
         seed = getattr(indices, "seed", None)
         if seed is not None:
-            import random
-
-            torch.manual_seed(seed)
-            np.random.seed(seed % 2**32)
-            random.seed(seed)
+            seed_generators(seed)
         own = getattr(self.dataset, "__getitems__", None)
         return own(list(indices)) if own is not None else [self.dataset[i] for i in indices]
 

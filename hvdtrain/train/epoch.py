@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from hvdtrain.config import Config
+from hvdtrain.data.loading import seed_generators
 from hvdtrain.engine import Engine, RankFailed
 from hvdtrain.errors import FailedAt, StoppedBySignal, UserError, message_lines, where
 from hvdtrain.io.checkpoint import CheckpointStore
@@ -293,11 +294,4 @@ def _checkpoint_state(run: Run, config: Config, engine: Engine, epoch: int, step
 def _seed(seed: int, epoch: int, rank: int) -> None:
     # Per epoch and rank, so dropout and augmentation (torch's, numpy's or Python's, in this process)
     # replay exactly after a resume.
-    import random
-
-    import numpy as np
-
-    value = seed * 1_000_003 + epoch * 1_009 + rank
-    torch.manual_seed(value)
-    np.random.seed(value % 2**32)
-    random.seed(value)
+    seed_generators(seed * 1_000_003 + epoch * 1_009 + rank)

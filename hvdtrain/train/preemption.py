@@ -30,7 +30,7 @@ class StopSignals:
 
     # A repeat within this many seconds is the same delivery reaching this process twice (Slurm
     # signals every process of a step, and a launcher passes the signal on as well).
-    SAME_DELIVERY_SECONDS = 2.0
+    SAME_DELIVERY_SECONDS = early_signals.SAME_DELIVERY_SECONDS
 
     def __init__(self, names: str):
         self.numbers = signal_numbers(names)
