@@ -54,10 +54,11 @@ def _node_line() -> str:
 
 def write_config(root: Path) -> dict[str, str]:
     """The cluster's files under `root`; returns the environment its commands need."""
-    for sub in ("munge", "state", "spool", "log", "pids"):
+    for sub in ("munge", "state", "spool", "log", "pids", "tmp"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o755)  # munge's socket directory must be reachable by every user
     os.chmod(root / "munge", 0o755)
+    os.chmod(root / "tmp", 0o1777)  # like /tmp: the job's user makes its PMIx directory here
     key = root / "munge" / "munge.key"
     key.write_bytes(os.urandom(1024))
     os.chmod(key, 0o400)
@@ -74,6 +75,10 @@ def write_config(root: Path) -> dict[str, str]:
         "CredType=cred/munge",
         f"StateSaveLocation={root / 'state'}",
         f"SlurmdSpoolDir={root / 'spool'}",
+        # PMIx makes each step's spmix_appdir_<uid>_<job>.<step> here (default /tmp) and fails the
+        # step if it exists: one left by a killed step of an earlier cluster, whose job ids also
+        # started at 1, would fail this cluster's job of the same id ("task 0 launch failed").
+        f"TmpFS={root / 'tmp'}",
         f"SlurmctldPidFile={root / 'pids' / 'slurmctld.pid'}",
         f"SlurmdPidFile={root / 'pids' / 'slurmd.pid'}",
         f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
