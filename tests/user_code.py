@@ -370,12 +370,28 @@ class _BlowUpGradient(torch.autograd.Function):
         return grad * 1e6
 
 
+def _record_anonymous_memory() -> None:
+    """With HVDTRAIN_TEST_RSS=DIR: this rank's anonymous resident memory (RssAnon: not file pages
+    such as a memory-mapped data set's), the most seen so far, in DIR/rank-N in kB."""
+    import os
+
+    directory = os.environ.get("HVDTRAIN_TEST_RSS")
+    if not directory:
+        return
+    status = open("/proc/self/status").read()
+    now = int(next(line.split()[1] for line in status.splitlines() if line.startswith("RssAnon:")))
+    path = os.path.join(directory, f"rank-{_rank()}")
+    before = int(open(path).read()) if os.path.exists(path) else 0
+    with open(path, "w") as handle:
+        handle.write(str(max(now, before)))
+
+
 class _SignalsItself(nn.Module):
     """The built-in MLP (with dropout, so that a resume is exact only with the random states restored)
     that, given HVDTRAIN_TEST_SIGNAL=RANK:N:SIGNAL, sends SIGNAL to its own process in its Nth training
     forward pass on that rank (RANK `all`: every rank; N `vK`: its Kth evaluation forward pass), as a
     scheduler would at that moment. HVDTRAIN_TEST_OVERFLOW=N: rank 1's gradient overflows in fp16 in its
-    Nth training forward pass.
+    Nth training forward pass. HVDTRAIN_TEST_RSS: see _record_anonymous_memory.
     HVDTRAIN_TEST_DROPOUT sets the dropout (0: none, for runs compared across world sizes)."""
 
     def __init__(self, inner: nn.Module):
@@ -396,6 +412,7 @@ class _SignalsItself(nn.Module):
 
         if self.training:
             self.forwards += 1
+            _record_anonymous_memory()
             if self.forwards == self.signal_at:
                 os.kill(os.getpid(), getattr(signal, self.signal_name))
             if str(self.forwards) == os.environ.get("HVDTRAIN_TEST_OVERFLOW") and _rank() == 1:
@@ -404,7 +421,7 @@ class _SignalsItself(nn.Module):
             self.evaluations += 1
             if self.evaluations == self.signal_in_evaluation:
                 os.kill(os.getpid(), getattr(signal, self.signal_name))
-        return self.inner(self.dropout(x))
+        return self.inner(self.dropout(x) if x.is_floating_point() else x)
 
     def state_dict(self, *args, **kwargs):
         """With HVDTRAIN_TEST_SLOW_SAVE=SECONDS:PATH, rank 0's first checkpoint takes SECONDS longer
@@ -426,6 +443,15 @@ def signals_itself(input_shape, num_classes):
     from hvdtrain.models import build_model
 
     return _SignalsItself(build_model(ModelConfig(name="mlp"), input_shape, num_classes))
+
+
+def signals_itself_lm(input_shape, num_classes):
+    """A bigram language model over `num_classes` token ids (dropout after the embedding) that
+    signals itself as signals_itself does."""
+    import os
+
+    dropout = float(os.environ.get("HVDTRAIN_TEST_DROPOUT", 0.2))
+    return _SignalsItself(nn.Sequential(nn.Embedding(num_classes, 16), nn.Dropout(dropout), nn.Linear(16, num_classes)))
 
 
 class _Augmented(Dataset):

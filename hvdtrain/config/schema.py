@@ -20,8 +20,10 @@ from hvdtrain.errors import UserError
 class DataConfig:
     name: str = "digits"
     """Data set: `digits` (scikit-learn's 8x8 digits, no download), `random` (synthetic),
-    a path to an `.npz` file with arrays `x` and `y`, or `package.module:function`
-    returning a torch Dataset or a (train, val) pair of them."""
+    a path to an `.npz` file with arrays `x` and `y`, a directory of `x.npy` and `y.npy`
+    (memory-mapped; or `train/` and `val/` directories of them), a token file `.bin`
+    (memory-mapped; `val.bin` beside a `train.bin` is its validation part), or
+    `package.module:function` returning a torch Dataset or a (train, val) pair of them."""
     batch_size: int = 64
     """Samples per process per step. dist: the global batch is batch_size x world size x train.accumulate."""
     val_fraction: float = 0.2
@@ -36,6 +38,10 @@ class DataConfig:
     """`random` only: features per sample."""
     classes: int = 10
     """`random` only: number of classes."""
+    context: int = 256
+    """Token files (`.bin`) only: tokens per sample, each window read as one sequence."""
+    token_dtype: str = "uint16"
+    """Token files only: the width of a token id, uint16 (vocabularies up to 65536) or uint32."""
     num_classes: Optional[int] = None
     """Classes (or vocabulary size) handed to the model when the data set does not say: a
     Dataset without a `classes` or `num_classes` attribute whose labels are not held in memory."""
@@ -53,6 +59,9 @@ class DataConfig:
         _require(self.samples >= 2, "data.samples", f"must be at least 2, got {self.samples}")
         _require(self.features >= 1, "data.features", f"must be at least 1, got {self.features}")
         _require(self.classes >= 2, "data.classes", f"must be at least 2, got {self.classes}")
+        _require(self.context >= 1, "data.context", f"must be at least 1, got {self.context}")
+        _require(self.token_dtype in ("uint16", "uint32"), "data.token_dtype",
+                 f"must be uint16 or uint32, got '{self.token_dtype}'")
         if self.num_classes is not None:
             _require(self.num_classes >= 1, "data.num_classes", f"must be at least 1, got {self.num_classes}")
         if self.collate is not None:

@@ -1,4 +1,5 @@
-"""Data sets: the built-ins, `.npz` files and user factories, split into train and validation.
+"""Data sets: the built-ins, `.npz` files, memory-mapped `.npy` directories and token files
+(hvdtrain.data.mapped) and user factories, split into train and validation.
 
 A user's own `torch.utils.data.Dataset` works unchanged (through a factory), whatever
 its samples hold (see hvdtrain.data.batch); data held in tensors takes a faster path
@@ -16,7 +17,7 @@ from torch.utils.data import ConcatDataset, Dataset, TensorDataset
 
 from hvdtrain.config import DataConfig
 from hvdtrain.data.batch import split_batch
-from hvdtrain.data import introspect
+from hvdtrain.data import introspect, mapped
 from hvdtrain.errors import UserError
 from hvdtrain.factory import call_factory, is_factory_path
 
@@ -50,6 +51,11 @@ def build_data(cfg: DataConfig, seed: int, target_key: str = "labels") -> DataSp
 def _build(cfg: DataConfig, seed: int, target_key: str) -> DataSplit:
     if _is_factory(cfg):
         return _from_factory(cfg, seed, target_key)
+    if cfg.name not in BUILT_IN and mapped.is_array_directory(cfg.name):
+        return _mapped_arrays(*mapped.array_parts(Path(cfg.name), cfg.val_fraction))
+    if mapped.is_token_file(cfg.name):
+        train, val = mapped.token_parts(Path(cfg.name), cfg.token_dtype, cfg.context, cfg.val_fraction)
+        return DataSplit(train, val, (cfg.context,), cfg.num_classes or mapped.vocabulary(train, val))
     x, y = _tensors(cfg, seed)
     split = _split_tensors(x, y, cfg.val_fraction, seed)
     return _standardized(split) if cfg.name == "digits" else split
@@ -75,6 +81,8 @@ def build_part(cfg: DataConfig, seed: int, target_key: str, part: str, need_targ
         if isinstance(made, tuple) and len(made) == 2:
             return ConcatDataset(list(made))
         return made
+    if cfg.name not in BUILT_IN and (mapped.is_array_directory(cfg.name) or mapped.is_token_file(cfg.name)):
+        return mapped.whole(Path(cfg.name), cfg.token_dtype, cfg.context)
     x, y = _tensors(cfg, seed, need_targets)
     if cfg.name == "digits":  # standardized with the training part's statistics, as fit saw it
         mean, std = _input_statistics(_split_tensors(x, y, cfg.val_fraction, seed).train.tensors[0])
@@ -90,9 +98,13 @@ def _tensors(cfg: DataConfig, seed: int, need_targets: bool = True) -> tuple[tor
         return _random_teacher(cfg.samples, cfg.features, cfg.classes, seed)
     if cfg.name.endswith(".npz"):
         return _npz(Path(cfg.name), need_targets)
+    if "/" in cfg.name or Path(cfg.name).exists():
+        found = "is not one of these" if Path(cfg.name).exists() else "does not exist"
+        raise UserError(f"data path '{cfg.name}' {found}: give a directory of x.npy and y.npy, an .npz file "
+                        "or a .bin token file")
     raise UserError(
-        f"unknown data set '{cfg.name}': use one of {', '.join(BUILT_IN)}, a path to an .npz file, "
-        "or package.module:function"
+        f"unknown data set '{cfg.name}': use one of {', '.join(BUILT_IN)}, a path to an .npz file, a directory "
+        "of .npy arrays, a .bin token file, or package.module:function"
     )
 
 
@@ -140,6 +152,22 @@ def _npz(path: Path, need_targets: bool = True) -> tuple[torch.Tensor, torch.Ten
     # Integer labels stay integers (classification); anything else becomes float32 (regression, multilabel).
     targets = y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else np.ascontiguousarray(y, dtype=np.float32)
     return inputs, torch.from_numpy(targets)
+
+
+def _mapped_arrays(train: mapped.MappedArrays, val: mapped.MappedArrays) -> DataSplit:
+    """What the arrays say of themselves, from the files' headers and targets, not their inputs."""
+    x, y = train.arrays()
+    largest = mapped.largest_label(train, val)
+    target_dtype = np.int64 if largest is not None else np.float32
+    targets = [mapped.open_arrays(directory)[1] for directory in dict.fromkeys((train.directory, val.directory))]
+    held = None
+    if sum(t.nbytes for t in targets) <= HELD_TARGETS_LIMIT:  # for the label checks; large ones are not copied
+        held = torch.cat([torch.from_numpy(np.array(t, dtype=target_dtype)) for t in targets])
+    return DataSplit(train, val, tuple(x.shape[1:]), None if largest is None else largest + 1, tuple(y.shape[1:]),
+                     held, torch.int64 if largest is not None else torch.float32)
+
+
+HELD_TARGETS_LIMIT = 128 << 20
 
 
 def _require_finite(path: Path, key: str, values: np.ndarray) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from hvdtrain.config import Config
+from hvdtrain.data import mapped
 from hvdtrain.data.batch import to_device
 from hvdtrain.data.loading import batches, collate_function, data_workers
 from hvdtrain.data.sampler import EvalShardSampler, ShardedBatchSampler
@@ -76,6 +77,8 @@ def build(config: Config, engine: Engine) -> Run:
     """Data, model and optimizer; no collectives, no files."""
     torch.manual_seed(config.train.seed)  # the same initial weights everywhere, broadcast anyway
     task = build_task(config.task)
+    if mapped.is_token_file(config.data.name):
+        mapped.check_token_run(config.data.name, config.task.name, config.model.name)
     split: DataSplit = build_data(config.data, config.train.seed, task.target_key)
     task.check_data(split.target_dtype, split.target_shape)
     shapes = ModelShapes(split.input_shape, split.num_classes, task.num_outputs(split.num_classes, split.target_shape))

@@ -1,0 +1,232 @@
+"""Data sets too large for memory, read from files as batches need them (memory-mapped):
+
+- a directory of `.npy` arrays, `x.npy` and `y.npy` (or `train/` and `val/` directories of them);
+- a flat file of token ids, `.bin` (uint16 or uint32, as nanoGPT's `prepare.py` writes them, with
+  `val.bin` beside `train.bin` when there is one), read as windows of `data.context` tokens.
+
+Each process opens the files itself on first use (so data-loader workers do too) and reads only
+the samples of its own batches: the pages are the operating system's file cache, shared by every
+rank on a host, not memory of the process's own. Without a separate validation file, every k-th
+sample is held out (k = round(1 / data.val_fraction)): no index list of the whole set is kept,
+and data sorted by class still gets a validation part of every class.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import ConcatDataset, Dataset
+
+from hvdtrain.errors import UserError
+
+TOKEN_SUFFIX = ".bin"
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def is_array_directory(name: str) -> bool:
+    return Path(name).is_dir()
+
+
+def is_token_file(name: str) -> bool:
+    return name.endswith(TOKEN_SUFFIX)
+
+
+class HeldOut:
+    """Which samples of `total` a part holds: all, or the train or validation side of a split that
+    sends every `every`-th sample to validation."""
+
+    def __init__(self, total: int, every: int = 0, val: bool = False):
+        self.total, self.every, self.val = total, every, val
+
+    def __len__(self) -> int:
+        if not self.every:
+            return self.total
+        held = self.total // self.every
+        return held if self.val else self.total - held
+
+    def __call__(self, index: int) -> int:
+        """The index in the file of the part's sample `index`."""
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        if not self.every:
+            return index
+        if self.val:
+            return index * self.every + self.every - 1
+        block, offset = divmod(index, self.every - 1)
+        return block * self.every + offset
+
+
+def _split(total: int, val_fraction: float) -> tuple[HeldOut, HeldOut]:
+    every = max(2, round(1 / val_fraction))
+    if total // every == 0:
+        raise UserError(f"the data set has {total} sample(s): too few to hold out every {every}th for "
+                        "validation (data.val_fraction); give more data or a separate validation file")
+    return HeldOut(total, every), HeldOut(total, every, val=True)
+
+
+class MappedArrays(Dataset):
+    """Samples (x[i], y[i]) of `.npy` files opened with mmap_mode="r"; x as float32, y as int64
+    labels when integers, else float32."""
+
+    def __init__(self, directory: Path, part: HeldOut):
+        self.directory, self.part = directory, part
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return len(self.part)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._arrays is None:
+            self._arrays = open_arrays(self.directory)
+        return self._arrays
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One read per array for the whole batch, in the file's order (sequential where it can be)."""
+        x, y = self.arrays()
+        rows = np.fromiter((self.part(i) for i in indices), dtype=np.int64, count=len(indices))
+        inputs = torch.from_numpy(np.asarray(x[rows], dtype=np.float32))
+        targets = torch.from_numpy(_as_targets(np.asarray(y[rows])))
+        return list(zip(inputs, targets))
+
+    def __getstate__(self) -> dict[str, Any]:  # to a worker process: it maps the files itself
+        return {**self.__dict__, "_arrays": None}
+
+
+def open_arrays(directory: Path) -> tuple[np.ndarray, np.ndarray]:
+    """x.npy and y.npy in `directory`, memory-mapped, checked against each other."""
+    arrays = []
+    for key in ("x", "y"):
+        path = directory / f"{key}.npy"
+        if not path.is_file():
+            found = ", ".join(sorted(p.name for p in directory.glob("*.npy"))) or "no .npy file"
+            raise UserError(f"data directory '{directory}' has no {key}.npy (it has {found}): save the inputs "
+                            "with np.save(dir / 'x.npy', inputs) and the targets as y.npy")
+        try:
+            arrays.append(np.load(path, mmap_mode="r", allow_pickle=False))
+        except (OSError, ValueError) as err:
+            raise UserError(f"data file '{path}' is not a readable .npy array ({err}): write it with np.save") from err
+    x, y = arrays
+    if len(x) != len(y):
+        raise UserError(f"data directory '{directory}': x.npy has {len(x)} samples but y.npy has {len(y)}: "
+                        "they must match")
+    if not np.issubdtype(x.dtype, np.number):
+        raise UserError(f"data file '{directory / 'x.npy'}': x must be numeric, got dtype {x.dtype}")
+    if not (np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_):
+        raise UserError(f"data file '{directory / 'y.npy'}': y must hold class labels or numbers, got dtype {y.dtype}")
+    if len(x) < 2:
+        raise UserError(f"data directory '{directory}' holds {len(x)} sample(s): at least 2 are needed")
+    return x, y
+
+
+def _as_targets(y: np.ndarray) -> np.ndarray:
+    return y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32)
+
+
+def array_parts(directory: Path, val_fraction: float) -> tuple[MappedArrays, MappedArrays]:
+    """(train, val): `train/` and `val/` directories when there are, else one directory split."""
+    if not directory.is_dir():
+        raise UserError(f"data directory '{directory}' does not exist: check data.name (--data)")
+    if (directory / "train").is_dir() and (directory / "val").is_dir():
+        train_dir, val_dir = directory / "train", directory / "val"
+        return (MappedArrays(train_dir, HeldOut(len(open_arrays(train_dir)[0]))),
+                MappedArrays(val_dir, HeldOut(len(open_arrays(val_dir)[0]))))
+    train, val = _split(len(open_arrays(directory)[0]), val_fraction)
+    return MappedArrays(directory, train), MappedArrays(directory, val)
+
+
+def largest_label(*datasets: MappedArrays, chunk: int = 1 << 24) -> int | None:
+    """The largest integer label of the parts' files, read in chunks; None for float targets."""
+    largest = -1
+    for directory in {d.directory for d in datasets}:
+        y = open_arrays(directory)[1]
+        if not np.issubdtype(y.dtype, np.integer):
+            return None
+        for start in range(0, len(y), chunk):
+            largest = max(largest, int(y[start:start + chunk].max()))
+    return largest
+
+
+class TokenWindows(Dataset):
+    """Windows of `context` token ids of a flat binary file: sample i is tokens [i*context, (i+1)*context),
+    as int64 (the language-model task predicts each token from the ones before it)."""
+
+    def __init__(self, path: Path, dtype: str, context: int, part: HeldOut | None = None):
+        self.path, self.dtype, self.context = path, dtype, context
+        self.part = part or HeldOut(windows(path, dtype, context))
+        self._tokens: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.part)
+
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+        return self._tokens
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        start = self.part(index) * self.context
+        return (torch.from_numpy(self.tokens()[start:start + self.context].astype(np.int64)),)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tokens": None}
+
+
+def windows(path: Path, dtype: str, context: int) -> int:
+    """How many whole windows of `context` tokens the file holds; refuses files that are not token files."""
+    if not path.is_file():
+        raise UserError(f"token file '{path}' does not exist: check data.name (--data)")
+    size, width = path.stat().st_size, np.dtype(dtype).itemsize
+    if size % width:
+        raise UserError(f"token file '{path}' has {size} bytes, not a multiple of {width} ({dtype}): "
+                        "check data.token_dtype (uint16 for vocabularies up to 65536, else uint32)")
+    count = size // width // context
+    if count < 1:
+        raise UserError(f"token file '{path}' holds {size // width} tokens, fewer than one window of "
+                        f"data.context={context}: lower data.context or give a longer file")
+    return count
+
+
+def token_parts(path: Path, dtype: str, context: int, val_fraction: float) -> tuple[TokenWindows, TokenWindows]:
+    """(train, val): `val.bin` beside a `train.bin` when there is one, else one file split."""
+    val_path = path.with_name("val" + TOKEN_SUFFIX)
+    if path.name == "train" + TOKEN_SUFFIX and val_path.is_file():
+        return TokenWindows(path, dtype, context), TokenWindows(val_path, dtype, context)
+    train, val = _split(windows(path, dtype, context), val_fraction)
+    return TokenWindows(path, dtype, context, train), TokenWindows(path, dtype, context, val)
+
+
+def check_token_run(data: str, task: str, model: str) -> None:
+    """A token file with a built-in task other than the language model's, or a built-in model: the
+    first batch would fail with a dtype error that names neither."""
+    if task in ("classification", "regression", "multilabel"):
+        raise UserError(f"data '{data}' is a token file, windows of token ids for --task language-model, "
+                        f"not {task}: add --task language-model")
+    if model in ("mlp", "cnn"):
+        raise UserError(f"the built-in model '{model}' takes features, not token ids: give a language model with "
+                        "--model package.module:function (it takes (batch, data.context) token ids and returns "
+                        "(batch, data.context, vocabulary) logits)")
+
+
+def whole(path: Path, token_dtype: str, context: int) -> Dataset:
+    """Every sample in the files' own order (train before val where they are apart), for evaluate and predict."""
+    if is_token_file(path.name):
+        parts = [path, path.with_name("val" + TOKEN_SUFFIX)] if path.name == "train" + TOKEN_SUFFIX else [path]
+        return ConcatDataset([TokenWindows(p, token_dtype, context) for p in parts if p.is_file()])
+    directories = [path / "train", path / "val"] if (path / "train").is_dir() and (path / "val").is_dir() else [path]
+    return ConcatDataset([MappedArrays(d, HeldOut(len(open_arrays(d)[0]))) for d in directories])
+
+
+def vocabulary(*datasets: TokenWindows, chunk: int = 1 << 26) -> int:
+    """The largest token id of the files, plus one (read in chunks: set data.num_classes to skip it)."""
+    largest = 0
+    for path in {d.path for d in datasets}:
+        tokens = datasets[0].tokens() if path == datasets[0].path else np.memmap(path, dtype=datasets[0].dtype, mode="r")
+        for start in range(0, len(tokens), chunk):
+            largest = max(largest, int(tokens[start:start + chunk].max()))
+    return largest + 1
