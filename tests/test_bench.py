@@ -61,9 +61,9 @@ def test_bench_allreduce_under_horovodrun(tmp_path):
 @requires_launchers
 def test_bench_train_scaling_under_horovodrun(tmp_path):
     """A model of known pace (paced_mlp waits 50 ms in each training forward pass): 16 samples per step
-    is at most 320 samples/s per process, whatever the machine, and no less than a third of it here.
-    A figure counted per process where it should be the total (or the other way), or an efficiency
-    against the wrong single-process figure, falls outside."""
+    is at most 320 samples/s per process, whatever the machine, and more than half of it here (the
+    wait dominates the step). A total that is one process's figure (or twice the per-process one
+    where that is the total), or an efficiency against the wrong single-process figure, falls outside."""
     done = run([*LAUNCHERS["horovodrun-gloo"], "hvdtrain", "bench", "train", "--model", "user_code:paced_mlp",
                 "--input-shape", "32", "--batch-size", "16", "--warmup", "1", "--steps", "3", "--repeats", "2",
                 "--scaling", "--json", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png")])
@@ -71,10 +71,10 @@ def test_bench_train_scaling_under_horovodrun(tmp_path):
     result = json.loads((tmp_path / "t.json").read_text())
     pace = 16 / 0.05
     assert result["world_size"] == 2
-    assert pace / 3 < result["samples_per_s_per_process"] <= pace, result
-    assert 2 * pace / 3 < result["samples_per_s_total"] <= 2 * pace, result
-    assert pace / 3 < result["single_process_samples_per_s"] <= pace, result
-    assert 0.4 < result["scaling_efficiency"] <= 1.1, result  # both sides waited out by the same pace
+    assert pace / 2 < result["samples_per_s_per_process"] <= pace, result
+    assert pace < result["samples_per_s_total"] <= 2 * pace, result
+    assert pace / 2 < result["single_process_samples_per_s"] <= pace, result
+    assert 0.5 < result["scaling_efficiency"] <= 1.1, result  # both sides waited out by the same pace
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
