@@ -37,6 +37,24 @@ def test_bench_train_alone(tmp_path):
     assert "samples/s (95% CI)" in done.stdout
 
 
+def test_bench_data_finds_a_slow_data_set_input_bound_and_more_workers_faster(tmp_path):
+    """A data set that takes 5 ms per sample gives at most 200 samples/s without workers, far below the
+    small model's step: input-bound, and 2 workers read faster than none. Fast in-memory data with
+    the same model is compute-bound."""
+    done = run(["hvdtrain", "bench", "data", "--data", "user_code:slow_to_read", "--batch-size", "16",
+                "--workers", "0,2", "--batches", "3", "--steps", "5", "--json", str(tmp_path / "d.json")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "d.json").read_text())
+    by_workers = {row["workers"]: row["samples_per_s"] for row in result["rows"]}
+    assert sorted(by_workers) == [0, 2] and by_workers[0] <= 200 < result["step_samples_per_s"]
+    assert by_workers[2] > 1.3 * by_workers[0], by_workers
+    assert result["verdict"].startswith("input-bound") and "--num-workers" in result["verdict"]
+    assert done.stdout.splitlines()[-1] == result["verdict"] and "training step:" in done.stdout
+    fast = run(["hvdtrain", "bench", "data", "--data", "user_code:blobs", "--batch-size", "16", "--workers", "0",
+                "--batches", "3", "--steps", "5"])
+    assert fast.returncode == 0 and fast.stdout.splitlines()[-1].startswith("compute-bound: data.num_workers=0")
+
+
 def test_bench_rejects_bad_input():
     done = run(["hvdtrain", "bench", "train", "--input-shape", "3,x"])
     assert done.returncode == 2 and done.stderr.strip() == (

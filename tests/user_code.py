@@ -571,3 +571,25 @@ def with_unused_branch(input_shape, num_classes):
     from hvdtrain.models import build_model
 
     return _WithUnusedBranch(build_model(ModelConfig(name="mlp"), input_shape, num_classes), input_shape[0])
+
+
+class _SlowToRead(Dataset):
+    """Blobs that take 5 ms to read each sample, as from slow storage."""
+
+    classes = Blobs.classes
+
+    def __init__(self):
+        self.blobs = Blobs()
+
+    def __len__(self):
+        return len(self.blobs)
+
+    def __getitem__(self, index):
+        import time
+
+        time.sleep(0.005)
+        return self.blobs[index]
+
+
+def slow_to_read():
+    return _SlowToRead()

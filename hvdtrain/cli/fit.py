@@ -93,7 +93,7 @@ def fit(config_path: str | None, assignments: Sequence[str], engine: str | None,
 
     early_signals.hold()  # a scheduler's signal while starting stops at the first step, not kills
     try:
-        config = _fit_config(config_path, assignments, flags, engine)
+        config = fit_config(config_path, assignments, flags, engine)
 
         from hvdtrain.train.fit import fit as run_fit  # torch and horovod load only when training
 
@@ -105,7 +105,7 @@ def fit(config_path: str | None, assignments: Sequence[str], engine: str | None,
         early_signals.restore()
 
 
-def _fit_config(config_path: str | None, assignments: Sequence[str], flags: dict[str, Any], engine: str | None = None):
+def fit_config(config_path: str | None, assignments: Sequence[str], flags: dict[str, Any], engine: str | None = None):
     overrides = dict(parse_assignment(text) for text in assignments)
     if flags.get("resume") == "always":  # plain --resume
         flags = {**flags, "resume": True}
@@ -128,7 +128,7 @@ def plan(config_path: str | None, assignments: Sequence[str], debug: bool, plann
 
     if planned < 1:
         raise UserError(f"--np must be at least 1, got {planned}")
-    config = _fit_config(config_path, assignments, flags)
+    config = fit_config(config_path, assignments, flags)
     if launcher_rank() is None:
         ranks = [planner.rank_facts(r, r, planned, planned, config.train.device, config.train.threads)
                  for r in range(planned)]

@@ -1,20 +1,21 @@
-"""The tools beside training: the `bench` group (allreduce, train, sampler), `doctor` and `config`."""
+"""The tools beside training: the `bench` group (allreduce, train, sampler, data), `doctor` and `config`."""
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 import click
 
 from hvdtrain.cli.common import is_rank_0, with_engine, write_json
+from hvdtrain.cli.fit import fit_config, fit_options
 from hvdtrain.config import describe
 from hvdtrain.errors import UserError
 
 
 @click.group()
 def bench() -> None:
-    """Measure: allreduce bandwidth, training throughput, sampler cost."""
+    """Measure: allreduce bandwidth, training throughput, sampler cost, the input pipeline."""
 
 
 @bench.command("allreduce")
@@ -110,6 +111,39 @@ def bench_sampler(size: int, world_size: int, json_path: str | None) -> None:
     rows = [sampler.measure(kind, size, world_size) for kind in sampler.SAMPLERS]
     click.echo(sampler.table(rows, size, world_size))
     write_json(json_path, {"size": size, "world_size": world_size, "rows": rows})
+
+
+@bench.command("data")
+@fit_options
+@click.option("--workers", "worker_list", help="Data-loader worker counts to time, comma-separated "
+                                                "(default: 0, then 1, 2, 4, ... up to the cores this process has).")
+@click.option("--batches", "count", type=int, default=50, show_default=True, help="Timed batches per worker count.")
+@click.option("--steps", type=int, default=10, show_default=True, help="Timed training steps.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the result as JSON.")
+def bench_data(config_path: str | None, assignments: Sequence[str], debug: bool, worker_list: str | None, count: int,
+               steps: int, json_path: str | None, **flags: Any) -> None:
+    """Samples/s of the input pipeline alone per worker count, beside the training step's: whether a
+    fit with these flags would wait for its data, and what to change."""
+    from hvdtrain.tools.bench import data
+
+    from hvdtrain.engine.environment import available_cores
+
+    try:
+        workers = ([int(part) for part in worker_list.split(",")] if worker_list else
+                   [0, *(n for n in (1, 2, 4, 8, 16, 32) if n <= available_cores())])
+    except ValueError:
+        raise UserError(f"--workers must be integers separated by commas, e.g. 0,2,4; got '{worker_list}'") from None
+    if min(workers) < 0 or count < 1 or steps < 1:
+        raise UserError("--workers must be 0 or more, --batches and --steps at least 1")
+    config = fit_config(config_path, assignments, flags)
+
+    def work(engine: Any) -> None:
+        result = data.run(config, engine, workers, count, steps)
+        if engine.is_root:  # dist: rank 0 reports its own shard's figures
+            click.echo(data.table(result))
+            write_json(json_path, result)
+
+    with_engine(debug, work, kind=config.train.engine, device=config.train.device, threads=config.train.threads)
 
 
 @click.command()

@@ -1,0 +1,106 @@
+"""The input pipeline alone: a data set's training batches per second for each number of
+data-loader workers, beside the rate of the training step itself, and which of the two bounds
+a run. One process (or each rank under a launcher, reporting rank 0's shard), as `fit` builds
+the data, model and task from the same flags.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from hvdtrain.config import Config
+from hvdtrain.data.batch import to_device
+from hvdtrain.data.loading import batches
+from hvdtrain.data.sampler import ShardedBatchSampler
+from hvdtrain.engine import Engine
+from hvdtrain.errors import UserError
+from hvdtrain.train.loop import apply_gradients, forward_backward
+from hvdtrain.train.setup import Run, build
+
+
+MIN_SECONDS = 1.0
+
+
+def run(config: Config, engine: Engine, worker_counts: list[int], count: int, steps: int) -> dict[str, Any]:
+    """Samples/s of `count` batches per worker count (after the first, which waits for the workers
+    to start), and of `steps` training steps on one of those batches."""
+    built = build(config, engine)
+    batch_size = config.data.batch_size
+    sampler = ShardedBatchSampler(len(built.split.train), batch_size, engine.rank, engine.size, seed=config.train.seed)
+    count = min(count, len(sampler) - 1)
+    if count < 1:
+        raise UserError(f"the training set has {len(built.split.train)} samples, fewer than two batches of "
+                        f"{batch_size} per process: lower --batch-size")
+    rows = [_input_rate(built, sampler, workers, count, batch_size) for workers in worker_counts]
+    step = _step_rate(built, config, engine, sampler, steps, batch_size)
+    return {"data": config.data.name, "batch_size": batch_size, "world_size": engine.size,
+            "train_samples": len(built.split.train), "rows": rows, "step_samples_per_s": step,
+            "verdict": verdict(rows, step)}
+
+
+def _input_rate(built: Run, sampler: ShardedBatchSampler, workers: int, count: int, batch_size: int) -> dict:
+    loader = batches(built.split.train, sampler, workers, pin_memory=False, collate=built.collate)
+    started = time.perf_counter()
+    iterator = iter(loader)
+    next(iterator)
+    first = time.perf_counter() - started
+    started = time.perf_counter()
+    for _ in range(count):
+        next(iterator)
+    seconds = time.perf_counter() - started
+    del iterator, loader  # its workers end here, before the next count's start
+    return {"workers": workers, "samples_per_s": count * batch_size / seconds, "first_batch_s": first}
+
+
+def _step_rate(built: Run, config: Config, engine: Engine, sampler: ShardedBatchSampler, steps: int,
+               batch_size: int) -> float:
+    batch = to_device(next(iter(batches(built.split.train, sampler, 0, False, built.collate))), engine.device,
+                      config.train.channels_last)
+    built.model.train()
+
+    def step() -> None:
+        forward_backward(built.model, built.task, batch, built.precision)
+        apply_gradients(built.model, built.optimizer, engine, config.optim.clip_grad_norm, built.precision)
+
+    step()  # warm-up: allocations, first kernels
+    done, seconds = 0, 0.0
+    while done < steps or seconds < MIN_SECONDS:  # at least a second: a pause of the machine is a small share
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync(engine.device)
+        done, seconds = done + steps, seconds + time.perf_counter() - started
+        if engine.size > 1:  # dist: each step allreduces, so every rank goes on by rank 0's clock
+            seconds = engine.broadcast_object(seconds, "bench.data.seconds")
+    return done * batch_size / seconds
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def verdict(rows: list[dict], step: float) -> str:
+    """Which bounds the run, and the setting to change."""
+    enough = [row for row in rows if row["samples_per_s"] >= step]
+    if not enough:
+        best = max(rows, key=lambda row: row["samples_per_s"])
+        return (f"input-bound: the input pipeline gives at most {best['samples_per_s']:,.0f} samples/s "
+                f"(data.num_workers={best['workers']}), the training step takes {step:,.0f}: try more workers "
+                "(--num-workers), a cheaper __getitem__ or data on faster storage")
+    fewest = min(enough, key=lambda row: row["workers"])
+    return (f"compute-bound: data.num_workers={fewest['workers']} already gives {fewest['samples_per_s']:,.0f} "
+            f"samples/s, more than the training step's {step:,.0f}")
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"input pipeline of {result['data']}: {result['train_samples']:,} training samples, batch "
+             f"{result['batch_size']} per process, world size {result['world_size']}",
+             f"{'workers':>8} {'samples/s':>12} {'first batch (s)':>16}   (per process)"]
+    lines += [f"{row['workers']:>8} {row['samples_per_s']:>12,.0f} {row['first_batch_s']:>16.2f}"
+              for row in result["rows"]]
+    lines += [f"training step: {result['step_samples_per_s']:,.0f} samples/s per process", result["verdict"]]
+    return "\n".join(lines)
