@@ -91,3 +91,8 @@ def timed_epochs(model, optimizer, loader, epochs, samples_per_epoch, sampler=No
             timed_seconds += time.perf_counter() - start
             timed_samples += samples_per_epoch
     return timed_samples / timed_seconds
+
+
+def token_bigram(input_shape=None, num_classes=64):
+    """A bigram language model for benchmarks/large_data.py: token ids in, next-token logits out."""
+    return nn.Sequential(nn.Embedding(num_classes, 32), nn.Linear(32, num_classes))

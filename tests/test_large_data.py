@@ -1,5 +1,5 @@
 """Data sets read from files as batches need them: a directory of `.npy` arrays and a token file,
-memory-mapped (hvdtrain.data.mapped). In-process: the split, what each source says of itself, bad
+memory-mapped (hvdtrain.data.mapped), and Hugging Face datasets (hvdtrain.data.huggingface). In-process: the split, what each source says of itself, bad
 input. Under the launchers: 2 ranks x batch B, stopped inside an epoch and resumed, end with the
 weights of 1 process x 2B; and a 2 GB file of each kind trains in under 1 GB of each rank's own memory."""
 
@@ -47,7 +47,7 @@ def write_tokens(path: Path, tokens: int = 40_000, dtype: str = "uint16") -> Pat
 
 @pytest.mark.parametrize("total, fraction", [(10, 0.2), (11, 0.2), (1000, 0.1), (7, 0.5), (100, 0.33)])
 def test_the_split_sends_every_kth_sample_to_validation_and_the_rest_to_training(total, fraction):
-    train, val = mapped._split(total, fraction)
+    train, val = mapped.split(total, fraction)
     every = max(2, round(1 / fraction))
     taken = [train(i) for i in range(len(train))] + [val(i) for i in range(len(val))]
     assert sorted(taken) == list(range(total))  # each sample in exactly one part
@@ -143,6 +143,50 @@ def test_a_token_dtype_other_than_uint16_or_uint32_is_refused():
         DataConfig(name="x.bin", token_dtype="int8")
 
 
+def write_hugging_face(directory: Path, samples: int = 1200) -> Path:
+    """The arrays of write_arrays as a Hugging Face Dataset (x a sequence of floats, label a ClassLabel)."""
+    import datasets
+
+    arrays = write_arrays(directory.with_name(directory.name + "-arrays"), samples)
+    features = datasets.Features({"x": datasets.Sequence(datasets.Value("float32"), length=12),
+                                  "label": datasets.ClassLabel(num_classes=4)})
+    datasets.Dataset.from_dict({"x": np.load(arrays / "x.npy"), "label": np.load(arrays / "y.npy")},
+                               features=features).save_to_disk(str(directory))
+    return directory
+
+
+def test_a_hugging_face_dataset_is_read_by_columns(tmp_path):
+    import datasets
+
+    directory = write_hugging_face(tmp_path / "hf")
+    split = build_data(DataConfig(name=str(directory)), seed=0)
+    assert (len(split.train), len(split.val)) == (960, 240) and split.num_classes == 4 and split.input_shape == (12,)
+    x, y = np.load(tmp_path / "hf-arrays" / "x.npy"), np.load(tmp_path / "hf-arrays" / "y.npy")
+    batch = split.val.__getitems__([0, 3])
+    assert torch.equal(torch.stack([b[0] for b in batch]), torch.from_numpy(x[[4, 19]]))
+    assert [int(b[1]) for b in batch] == y[[4, 19]].tolist()
+    # A DatasetDict's splits, named inputs, and a Parquet file.
+    table = datasets.load_from_disk(str(directory)).add_column("w", list(range(1200)))
+    datasets.DatasetDict({"train": table.select(range(1000)), "test": table.select(range(1000, 1200))}).save_to_disk(
+        str(tmp_path / "dict"))
+    named = build_data(DataConfig(name=str(tmp_path / "dict"), input_columns="x,w"), seed=0)
+    assert (len(named.train), len(named.val)) == (1000, 200)
+    inputs, label = named.val[5]
+    assert sorted(inputs) == ["w", "x"] and int(inputs["w"]) == 1005 and int(label) == y[1005]
+    table.to_parquet(str(tmp_path / "rows.parquet"))
+    assert len(build_part(DataConfig(name=str(tmp_path / "rows.parquet")), 0, "labels", "all")) == 1200
+
+
+@pytest.mark.parametrize("columns, message", [
+    ({"target_column": "kind"}, r"has no column 'kind' \(it has x, label\): choose with data.input_columns"),
+    ({"input_columns": "x,z"}, r"has no column 'z'"),
+])
+def test_a_column_that_does_not_exist_is_one_line(tmp_path, columns, message):
+    directory = write_hugging_face(tmp_path / "hf", samples=20)
+    with pytest.raises(UserError, match=message):
+        build_data(DataConfig(name=str(directory), **columns), seed=0)
+
+
 def test_fit_evaluate_and_predict_take_an_npy_directory_and_a_token_file_gets_the_right_task(tmp_path):
     """One process, as a user types it: fit on an .npy directory, then evaluate its validation part
     (equal to fit's record) and predict all of it in the file's order; a token file with the default
@@ -173,6 +217,7 @@ def test_fit_evaluate_and_predict_take_an_npy_directory_and_a_token_file_gets_th
 
 SOURCES = {  # source -> (launcher of the 2-rank run, arguments beyond the data)
     "npy": ("horovodrun-gloo", ["--model", "user_code:signals_itself", "--set", "data.num_workers=2"]),
+    "hugging-face": ("torchrun", ["--model", "user_code:signals_itself"]),
     "tokens": ("torchrun", ["--model", "user_code:signals_itself_lm", "--task", "language-model",
                             "--set", "data.context=16", "--optimizer", "adamw", "--lr", "0.01"]),
 }
@@ -193,11 +238,12 @@ def _fit(launcher: str | None, data: Path, run_dir: Path, *args: str, **env: str
 @pytest.mark.parametrize("source", SOURCES)
 def test_two_ranks_stopped_inside_an_epoch_and_resumed_end_with_one_process_s_weights(source, tmp_path):
     """2 ranks x batch 32 (the Horovod engine with 2 data-loader workers per rank for the arrays, the
-    torch engine for the token file), stopped by SIGTERM in the middle of epoch 2 and resumed, against
+    torch engine for the Hugging Face data and the token file), stopped by SIGTERM in the middle of epoch 2 and resumed, against
     one process x batch 64 never stopped: the same samples in the same global batches, so the same
     weights (to 1e-5: the sum over ranks rounds differently)."""
     launcher, args = SOURCES[source]
-    data = write_arrays(tmp_path / "arrays") if source == "npy" else write_tokens(tmp_path / "corpus.bin")
+    data = {"npy": lambda: write_arrays(tmp_path / "arrays"), "hugging-face": lambda: write_hugging_face(tmp_path / "hf"),
+            "tokens": lambda: write_tokens(tmp_path / "corpus.bin")}[source]()
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     done = _fit(None, data, whole, *args, "--batch-size", "64")
     assert done.returncode == 0, done.stderr[-3000:]

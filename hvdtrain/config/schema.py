@@ -22,7 +22,9 @@ class DataConfig:
     """Data set: `digits` (scikit-learn's 8x8 digits, no download), `random` (synthetic),
     a path to an `.npz` file with arrays `x` and `y`, a directory of `x.npy` and `y.npy`
     (memory-mapped; or `train/` and `val/` directories of them), a token file `.bin`
-    (memory-mapped; `val.bin` beside a `train.bin` is its validation part), or
+    (memory-mapped; `val.bin` beside a `train.bin` is its validation part), a Hugging Face
+    `save_to_disk` directory, `.arrow` or `.parquet` file (columns by data.input_columns and
+    data.target_column), or
     `package.module:function` returning a torch Dataset or a (train, val) pair of them."""
     batch_size: int = 64
     """Samples per process per step. dist: the global batch is batch_size x world size x train.accumulate."""
@@ -42,6 +44,11 @@ class DataConfig:
     """Token files (`.bin`) only: tokens per sample, each window read as one sequence."""
     token_dtype: str = "uint16"
     """Token files only: the width of a token id, uint16 (vocabularies up to 65536) or uint32."""
+    input_columns: Optional[str] = None
+    """Hugging Face data only: the input columns, comma-separated (None: every column but the
+    target; several make a dict of named inputs)."""
+    target_column: Optional[str] = None
+    """Hugging Face data only: the target column (None: `label`, else `labels`, else none)."""
     num_classes: Optional[int] = None
     """Classes (or vocabulary size) handed to the model when the data set does not say: a
     Dataset without a `classes` or `num_classes` attribute whose labels are not held in memory."""

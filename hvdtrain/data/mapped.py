@@ -59,7 +59,7 @@ class HeldOut:
         return block * self.every + offset
 
 
-def _split(total: int, val_fraction: float) -> tuple[HeldOut, HeldOut]:
+def split(total: int, val_fraction: float) -> tuple[HeldOut, HeldOut]:
     every = max(2, round(1 / val_fraction))
     if total // every == 0:
         raise UserError(f"the data set has {total} sample(s): too few to hold out every {every}th for "
@@ -136,7 +136,7 @@ def array_parts(directory: Path, val_fraction: float) -> tuple[MappedArrays, Map
         train_dir, val_dir = directory / "train", directory / "val"
         return (MappedArrays(train_dir, HeldOut(len(open_arrays(train_dir)[0]))),
                 MappedArrays(val_dir, HeldOut(len(open_arrays(val_dir)[0]))))
-    train, val = _split(len(open_arrays(directory)[0]), val_fraction)
+    train, val = split(len(open_arrays(directory)[0]), val_fraction)
     return MappedArrays(directory, train), MappedArrays(directory, val)
 
 
@@ -197,7 +197,7 @@ def token_parts(path: Path, dtype: str, context: int, val_fraction: float) -> tu
     val_path = path.with_name("val" + TOKEN_SUFFIX)
     if path.name == "train" + TOKEN_SUFFIX and val_path.is_file():
         return TokenWindows(path, dtype, context), TokenWindows(val_path, dtype, context)
-    train, val = _split(windows(path, dtype, context), val_fraction)
+    train, val = split(windows(path, dtype, context), val_fraction)
     return TokenWindows(path, dtype, context, train), TokenWindows(path, dtype, context, val)
 
 

@@ -17,7 +17,7 @@ from torch.utils.data import ConcatDataset, Dataset, TensorDataset
 
 from hvdtrain.config import DataConfig
 from hvdtrain.data.batch import split_batch
-from hvdtrain.data import introspect, mapped
+from hvdtrain.data import huggingface, introspect, mapped
 from hvdtrain.errors import UserError
 from hvdtrain.factory import call_factory, is_factory_path
 
@@ -51,6 +51,8 @@ def build_data(cfg: DataConfig, seed: int, target_key: str = "labels") -> DataSp
 def _build(cfg: DataConfig, seed: int, target_key: str) -> DataSplit:
     if _is_factory(cfg):
         return _from_factory(cfg, seed, target_key)
+    if cfg.name not in BUILT_IN and huggingface.is_hugging_face(cfg.name):
+        return _hugging_face(cfg)
     if cfg.name not in BUILT_IN and mapped.is_array_directory(cfg.name):
         return _mapped_arrays(*mapped.array_parts(Path(cfg.name), cfg.val_fraction))
     if mapped.is_token_file(cfg.name):
@@ -81,6 +83,8 @@ def build_part(cfg: DataConfig, seed: int, target_key: str, part: str, need_targ
         if isinstance(made, tuple) and len(made) == 2:
             return ConcatDataset(list(made))
         return made
+    if cfg.name not in BUILT_IN and huggingface.is_hugging_face(cfg.name):
+        return huggingface.whole(cfg.name, cfg.input_columns, cfg.target_column)
     if cfg.name not in BUILT_IN and (mapped.is_array_directory(cfg.name) or mapped.is_token_file(cfg.name)):
         return mapped.whole(Path(cfg.name), cfg.token_dtype, cfg.context)
     x, y = _tensors(cfg, seed, need_targets)
@@ -168,6 +172,19 @@ def _mapped_arrays(train: mapped.MappedArrays, val: mapped.MappedArrays) -> Data
 
 
 HELD_TARGETS_LIMIT = 128 << 20
+
+
+def _hugging_face(cfg: DataConfig) -> DataSplit:
+    train, val, classes = huggingface.parts(cfg.name, cfg.input_columns, cfg.target_column, cfg.val_fraction)
+    inputs, target = split_batch(train[0], "labels")
+    held = None
+    if train.target and len(train.table) * 8 <= HELD_TARGETS_LIMIT:  # the labels alone, for the label checks
+        column = np.asarray(train.table[train.target])
+        held = torch.from_numpy(column.astype(np.int64 if np.issubdtype(column.dtype, np.integer) else np.float32))
+    dtype = torch.as_tensor(target).dtype if target is not None else None
+    if classes is None and held is not None and not held.is_floating_point() and held.dim() == 1:
+        classes = int(held.max()) + 1
+    return DataSplit(train, val, introspect.shape_of(inputs), classes, introspect.shape_of(target), held, dtype)
 
 
 def _require_finite(path: Path, key: str, values: np.ndarray) -> None:
