@@ -85,7 +85,8 @@ def _watch(run_dir: Path, peaks: dict[int, int], done: threading.Event) -> None:
         for process in psutil.process_iter(["cmdline"]):
             try:
                 line = process.info["cmdline"] or []
-                if line and "python" in Path(line[0]).name and "fit" in line and str(run_dir) in line:
+                launcher = any(Path(arg).name == "horovodrun" for arg in line)
+                if line and "python" in Path(line[0]).name and not launcher and "fit" in line and str(run_dir) in line:
                     status = Path(f"/proc/{process.pid}/status").read_text()
                     anon = int(next(line.split()[1] for line in status.splitlines() if line.startswith("RssAnon:")))
                     peaks[process.pid] = max(peaks.get(process.pid, 0), anon)
