@@ -19,7 +19,7 @@ demo: install
 
 ## make test: the whole suite, multi-process tests included (CPU only).
 test: install-test
-	python -m pytest -ra --durations=15
+	python -m pytest -ra --durations=40
 
 ## make test-fast: the in-process tests only (no launchers, no Slurm, no image builds).
 test-fast: install-test

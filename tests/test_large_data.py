@@ -266,7 +266,7 @@ def test_two_ranks_stopped_inside_an_epoch_and_resumed_end_with_one_process_s_we
 @pytest.mark.timeout(600)
 def test_two_gigabyte_files_train_in_under_a_gigabyte_of_each_rank_s_own_memory(tmp_path):
     """A 2 GB x.npy (2M samples of 256 float32 features) and a 2 GB token file (1G uint16 ids), each
-    under horovodrun -np 2 for 40 steps of a full-size epoch (then every rank signals itself and the
+    under horovodrun -np 2 for 20 steps of a full-size epoch (then every rank signals itself and the
     run stops with a checkpoint): the most anonymous memory (RssAnon) any rank held stays under 1 GB,
     while the files are twice that."""
     runs = {"npy": (_two_gigabytes_of_arrays, ["--model", "user_code:signals_itself", "--batch-size", "256"]),
@@ -280,7 +280,7 @@ def test_two_gigabyte_files_train_in_under_a_gigabyte_of_each_rank_s_own_memory(
         rss.mkdir()
         try:
             done = _fit("horovodrun-gloo", data, tmp_path / f"run-{name}", *args,
-                        HVDTRAIN_TEST_SIGNAL="all:40:SIGTERM", HVDTRAIN_TEST_RSS=str(rss))
+                        HVDTRAIN_TEST_SIGNAL="all:20:SIGTERM", HVDTRAIN_TEST_RSS=str(rss))
         finally:  # pytest keeps the last runs' directories: not 2 GB files
             shutil.rmtree(data) if data.is_dir() else data.unlink()
         assert done.returncode == 75, done.stderr[-3000:]
@@ -290,15 +290,16 @@ def test_two_gigabyte_files_train_in_under_a_gigabyte_of_each_rank_s_own_memory(
 
 
 def _two_gigabytes_of_arrays(parent: Path) -> Path:
-    """2M samples of 256 float32 features (2 GiB) and their labels, written in slices."""
-    samples, features, piece = 2 << 20, 256, 1 << 18
+    """2M samples of 256 float32 features (2 GiB) and their labels: one random slice written 32 times."""
+    samples, features, piece = 2 << 20, 256, 1 << 16
     directory = parent / "arrays"
     directory.mkdir()
-    x = np.lib.format.open_memmap(directory / "x.npy", mode="w+", dtype=np.float32, shape=(samples, features))
-    for start in range(0, samples, piece):
-        x[start:start + piece] = np.random.default_rng(start).standard_normal((piece, features), dtype=np.float32)
-    x.flush()
-    del x
+    block = np.random.default_rng(0).standard_normal((piece, features), dtype=np.float32)
+    with open(directory / "x.npy", "wb") as handle:
+        np.lib.format.write_array_header_1_0(handle, {"descr": "<f4", "fortran_order": False,
+                                                      "shape": (samples, features)})
+        for _ in range(samples // piece):
+            handle.write(block.tobytes())
     np.save(directory / "y.npy", np.arange(samples) % 10)
     return directory
 
