@@ -370,28 +370,12 @@ class _BlowUpGradient(torch.autograd.Function):
         return grad * 1e6
 
 
-def _record_anonymous_memory() -> None:
-    """With HVDTRAIN_TEST_RSS=DIR: this rank's anonymous resident memory (RssAnon: not file pages
-    such as a memory-mapped data set's), the most seen so far, in DIR/rank-N in kB."""
-    import os
-
-    directory = os.environ.get("HVDTRAIN_TEST_RSS")
-    if not directory:
-        return
-    status = open("/proc/self/status").read()
-    now = int(next(line.split()[1] for line in status.splitlines() if line.startswith("RssAnon:")))
-    path = os.path.join(directory, f"rank-{_rank()}")
-    before = int(open(path).read()) if os.path.exists(path) else 0
-    with open(path, "w") as handle:
-        handle.write(str(max(now, before)))
-
-
 class _SignalsItself(nn.Module):
     """The built-in MLP (with dropout, so that a resume is exact only with the random states restored)
     that, given HVDTRAIN_TEST_SIGNAL=RANK:N:SIGNAL, sends SIGNAL to its own process in its Nth training
     forward pass on that rank (RANK `all`: every rank; N `vK`: its Kth evaluation forward pass), as a
     scheduler would at that moment. HVDTRAIN_TEST_OVERFLOW=N: rank 1's gradient overflows in fp16 in its
-    Nth training forward pass. HVDTRAIN_TEST_RSS: see _record_anonymous_memory.
+    Nth training forward pass.
     HVDTRAIN_TEST_DROPOUT sets the dropout (0: none, for runs compared across world sizes)."""
 
     def __init__(self, inner: nn.Module):
@@ -412,7 +396,6 @@ class _SignalsItself(nn.Module):
 
         if self.training:
             self.forwards += 1
-            _record_anonymous_memory()
             if self.forwards == self.signal_at:
                 os.kill(os.getpid(), getattr(signal, self.signal_name))
             if str(self.forwards) == os.environ.get("HVDTRAIN_TEST_OVERFLOW") and _rank() == 1:

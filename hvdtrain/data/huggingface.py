@@ -34,8 +34,8 @@ class Columns(Dataset):
     """Samples of a `datasets.Dataset`: (inputs, target) with inputs a tensor or a dict of them."""
 
     def __init__(self, table: Any, inputs: list[str], target: str | None, part: HeldOut):
-        self.table = table.with_format("numpy", columns=[*inputs, *([target] if target else [])])
-        self.inputs, self.target, self.part = inputs, target, part
+        """`table` as `formatted` returns it."""
+        self.table, self.inputs, self.target, self.part = table, inputs, target, part
 
     def __len__(self) -> int:
         return len(self.part)
@@ -53,11 +53,17 @@ class Columns(Dataset):
         return samples
 
 
-def _tensor(values: Any, name: str) -> torch.Tensor:
+def formatted(table: Any, inputs: list[str], target: str | None) -> Any:
+    """The table reading the chosen columns as numpy arrays, a batch of rows at a time."""
+    return table.with_format("numpy", columns=[*inputs, *([target] if target else [])])
+
+
+def _tensor(values: Any, name: str) -> torch.Tensor | list[torch.Tensor]:
+    """A column of a batch: one tensor, or one per row where rows differ in length (data.collate=pad
+    pads them)."""
     array = np.asarray(values)
     if array.dtype == object:
-        raise UserError(f"column '{name}' holds values of different lengths or non-numbers ({array[:1]!r}): "
-                        "choose numeric columns with data.input_columns, or pad them first")
+        return [_tensor(row, name) for row in values]
     if np.issubdtype(array.dtype, np.floating):
         return torch.from_numpy(array.astype(np.float32))
     if np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_:
@@ -69,29 +75,35 @@ def parts(name: str, inputs: str | None, target: str | None, val_fraction: float
     """(train, val, number of classes when the target is a ClassLabel)."""
     train_table, val_table = _tables(name)
     chosen_inputs, chosen_target = _columns(name, train_table.column_names, inputs, target)
+    classes = getattr(train_table.features.get(chosen_target), "num_classes", None) if chosen_target else None
+    train_rows = formatted(train_table, chosen_inputs, chosen_target)
     if val_table is None:
         train_part, val_part = strided_split(len(train_table), val_fraction)
-        val_table = train_table
+        val_rows = train_rows
     else:
+        _columns(name + " (validation)", val_table.column_names, ",".join(chosen_inputs), chosen_target)
         train_part, val_part = HeldOut(len(train_table)), HeldOut(len(val_table))
-    classes = getattr(train_table.features.get(chosen_target), "num_classes", None) if chosen_target else None
-    return (Columns(train_table, chosen_inputs, chosen_target, train_part),
-            Columns(val_table, chosen_inputs, chosen_target, val_part), classes)
+        val_rows = formatted(val_table, chosen_inputs, chosen_target)
+    return (Columns(train_rows, chosen_inputs, chosen_target, train_part),
+            Columns(val_rows, chosen_inputs, chosen_target, val_part), classes)
 
 
 def whole(name: str, inputs: str | None, target: str | None) -> Dataset:
     """Every row in the data's own order (train before validation where they are apart)."""
     tables = [table for table in _tables(name) if table is not None]
     chosen_inputs, chosen_target = _columns(name, tables[0].column_names, inputs, target)
-    parts = [Columns(table, chosen_inputs, chosen_target, HeldOut(len(table))) for table in tables]
+    parts = [Columns(formatted(table, chosen_inputs, chosen_target), chosen_inputs, chosen_target,
+                     HeldOut(len(table))) for table in tables]
     return parts[0] if len(parts) == 1 else ConcatDataset(parts)
 
 
 def _tables(name: str) -> tuple[Any, Any | None]:
-    import datasets
-
-    path = Path(name)
-    if not path.exists():
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(f"data '{name}' is a Hugging Face data set, which needs the datasets package: "
+                        "pip install 'hvdtrain[hf]'") from None
+    if not Path(name).exists():
         raise UserError(f"data '{name}' does not exist: check data.name (--data)")
     try:
         if name.endswith(".arrow"):
@@ -99,8 +111,10 @@ def _tables(name: str) -> tuple[Any, Any | None]:
         if name.endswith(".parquet"):
             return datasets.Dataset.from_parquet(name), None
         loaded = datasets.load_from_disk(name)
-    except (OSError, ValueError, FileNotFoundError) as err:
-        raise UserError(f"data '{name}' could not be read by datasets ({err})") from err
+    except Exception as err:  # noqa: BLE001 - OSError, ValueError, pyarrow's and datasets' own errors alike
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(f"data '{name}' could not be read by datasets ({first}): check that it was written by "
+                        "save_to_disk, or is an .arrow or .parquet file") from err
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
             raise UserError(f"data '{name}' has splits {', '.join(loaded)} but no 'train': save the training split "

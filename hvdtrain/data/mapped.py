@@ -60,7 +60,10 @@ class HeldOut:
 
 
 def split(total: int, val_fraction: float) -> tuple[HeldOut, HeldOut]:
-    every = max(2, round(1 / val_fraction))
+    if val_fraction > 0.5:
+        raise UserError(f"data.val_fraction {val_fraction} holds out more than every 2nd sample, which a file read "
+                        "in place cannot: use at most 0.5, or give a separate validation part")
+    every = max(2, round(1 / max(val_fraction, 1e-12)))
     if total // every == 0:
         raise UserError(f"the data set has {total} sample(s): too few to hold out every {every}th for "
                         "validation (data.val_fraction); give more data or a separate validation file")
@@ -108,9 +111,13 @@ def open_arrays(directory: Path) -> tuple[np.ndarray, np.ndarray]:
             raise UserError(f"data directory '{directory}' has no {key}.npy (it has {found}): save the inputs "
                             "with np.save(dir / 'x.npy', inputs) and the targets as y.npy")
         try:
-            arrays.append(np.load(path, mmap_mode="r", allow_pickle=False))
-        except (OSError, ValueError) as err:
-            raise UserError(f"data file '{path}' is not a readable .npy array ({err}): write it with np.save") from err
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError, EOFError) as err:
+            raise UserError(f"data file '{path}' is not a readable .npy array of numbers ({err}): write one with "
+                            "np.save") from err
+        if not isinstance(array, np.ndarray) or array.ndim == 0:
+            raise UserError(f"data file '{path}' is not an array with one row per sample: write one with np.save")
+        arrays.append(array)
     x, y = arrays
     if len(x) != len(y):
         raise UserError(f"data directory '{directory}': x.npy has {len(x)} samples but y.npy has {len(y)}: "
@@ -132,10 +139,17 @@ def array_parts(directory: Path, val_fraction: float) -> tuple[MappedArrays, Map
     """(train, val): `train/` and `val/` directories when there are, else one directory split."""
     if not directory.is_dir():
         raise UserError(f"data directory '{directory}' does not exist: check data.name (--data)")
-    if (directory / "train").is_dir() and (directory / "val").is_dir():
+    if (directory / "train").is_dir() != (directory / "val").is_dir():
+        raise UserError(f"data directory '{directory}' has a {'train' if (directory / 'train').is_dir() else 'val'}/ "
+                        "directory but not the other: give both train/ and val/, or x.npy and y.npy in the directory")
+    if (directory / "train").is_dir():
         train_dir, val_dir = directory / "train", directory / "val"
-        return (MappedArrays(train_dir, HeldOut(len(open_arrays(train_dir)[0]))),
-                MappedArrays(val_dir, HeldOut(len(open_arrays(val_dir)[0]))))
+        (train_x, train_y), (val_x, val_y) = open_arrays(train_dir), open_arrays(val_dir)
+        for name, a, b in (("x", train_x, val_x), ("y", train_y, val_y)):
+            if a.shape[1:] != b.shape[1:] or a.dtype.kind != b.dtype.kind:
+                raise UserError(f"data directory '{directory}': train/{name}.npy holds {a.dtype} samples of shape "
+                                f"{a.shape[1:]} but val/{name}.npy {b.dtype} of shape {b.shape[1:]}: they must match")
+        return MappedArrays(train_dir, HeldOut(len(train_x))), MappedArrays(val_dir, HeldOut(len(val_x)))
     train, val = split(len(open_arrays(directory)[0]), val_fraction)
     return MappedArrays(directory, train), MappedArrays(directory, val)
 
@@ -143,7 +157,7 @@ def array_parts(directory: Path, val_fraction: float) -> tuple[MappedArrays, Map
 def largest_label(*datasets: MappedArrays, chunk: int = 1 << 24) -> int | None:
     """The largest integer label of the parts' files, read in chunks; None for float targets."""
     largest = -1
-    for directory in {d.directory for d in datasets}:
+    for directory in dict.fromkeys(d.directory for d in datasets):
         y = open_arrays(directory)[1]
         if not np.issubdtype(y.dtype, np.integer):
             return None
@@ -225,8 +239,11 @@ def whole(path: Path, token_dtype: str, context: int) -> Dataset:
 def vocabulary(*datasets: TokenWindows, chunk: int = 1 << 26) -> int:
     """The largest token id of the files, plus one (read in chunks: set data.num_classes to skip it)."""
     largest = 0
-    for path in {d.path for d in datasets}:
-        tokens = datasets[0].tokens() if path == datasets[0].path else np.memmap(path, dtype=datasets[0].dtype, mode="r")
+    for path in dict.fromkeys(d.path for d in datasets):
+        tokens = np.memmap(path, dtype=datasets[0].dtype, mode="r")
         for start in range(0, len(tokens), chunk):
             largest = max(largest, int(tokens[start:start + chunk].max()))
+    if largest >= 1 << 22:  # no tokenizer in use has 4 M tokens: uint16 ids read two at a time as uint32
+        raise UserError(f"token file '{datasets[0].path}' holds ids up to {largest:,} as {datasets[0].dtype}: check "
+                        "data.token_dtype (uint16 for vocabularies up to 65536), or set data.num_classes")
     return largest + 1

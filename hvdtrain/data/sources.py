@@ -165,7 +165,7 @@ def _mapped_arrays(train: mapped.MappedArrays, val: mapped.MappedArrays) -> Data
     target_dtype = np.int64 if largest is not None else np.float32
     targets = [mapped.open_arrays(directory)[1] for directory in dict.fromkeys((train.directory, val.directory))]
     held = None
-    if sum(t.nbytes for t in targets) <= HELD_TARGETS_LIMIT:  # for the label checks; large ones are not copied
+    if sum(t.size for t in targets) * 8 <= HELD_TARGETS_LIMIT:  # for the label checks; large ones are not copied
         held = torch.cat([torch.from_numpy(np.array(t, dtype=target_dtype)) for t in targets])
     return DataSplit(train, val, tuple(x.shape[1:]), None if largest is None else largest + 1, tuple(y.shape[1:]),
                      held, torch.int64 if largest is not None else torch.float32)
@@ -178,11 +178,14 @@ def _hugging_face(cfg: DataConfig) -> DataSplit:
     train, val, classes = huggingface.parts(cfg.name, cfg.input_columns, cfg.target_column, cfg.val_fraction)
     inputs, target = split_batch(train[0], "labels")
     held = None
-    if train.target and len(train.table) * 8 <= HELD_TARGETS_LIMIT:  # the labels alone, for the label checks
-        column = np.asarray(train.table[train.target])
-        held = torch.from_numpy(column.astype(np.int64 if np.issubdtype(column.dtype, np.integer) else np.float32))
+    scalar = target is not None and introspect.shape_of(target) == ()
+    tables = list({id(part.table): part.table for part in (train, val)}.values())
+    if scalar and sum(len(table) for table in tables) * 8 <= HELD_TARGETS_LIMIT:  # one number per row, for the checks
+        columns = [np.asarray(table[train.target]) for table in tables]
+        kind = np.int64 if all(np.issubdtype(c.dtype, np.integer) for c in columns) else np.float32
+        held = torch.cat([torch.from_numpy(c.astype(kind)) for c in columns])
     dtype = torch.as_tensor(target).dtype if target is not None else None
-    if classes is None and held is not None and not held.is_floating_point() and held.dim() == 1:
+    if classes is None and held is not None and not held.is_floating_point():
         classes = int(held.max()) + 1
     return DataSplit(train, val, introspect.shape_of(inputs), classes, introspect.shape_of(target), held, dtype)
 

@@ -18,7 +18,7 @@ from hvdtrain.data.sampler import ShardedBatchSampler
 from hvdtrain.engine import Engine
 from hvdtrain.errors import UserError
 from hvdtrain.train.loop import apply_gradients, forward_backward
-from hvdtrain.train.setup import Run, build
+from hvdtrain.train.setup import Run, build, check_same_data
 
 
 MIN_SECONDS = 1.0
@@ -27,32 +27,45 @@ MIN_SECONDS = 1.0
 def run(config: Config, engine: Engine, worker_counts: list[int], count: int, steps: int) -> dict[str, Any]:
     """Samples/s of `count` batches per worker count (after the first, which waits for the workers
     to start), and of `steps` training steps on one of those batches."""
-    built = build(config, engine)
+    with engine.agree("bench.data.build"):  # dist: a failure on one rank stops every rank, not only its own
+        built = build(config, engine)
+    check_same_data(engine, built)
     batch_size = config.data.batch_size
     sampler = ShardedBatchSampler(len(built.split.train), batch_size, engine.rank, engine.size, seed=config.train.seed)
-    count = min(count, len(sampler) - 1)
-    if count < 1:
+    if len(sampler) < 2:
         raise UserError(f"the training set has {len(built.split.train)} samples, fewer than two batches of "
                         f"{batch_size} per process: lower --batch-size")
-    rows = [_input_rate(built, sampler, workers, count, batch_size) for workers in worker_counts]
+    with engine.agree("bench.data.input"):
+        # Each worker count starts in an order of its own, not on the batches the one before just read.
+        rows = [_input_rate(built, sampler, workers, count, batch_size, 1000 * index)
+                for index, workers in enumerate(worker_counts)]
     step = _step_rate(built, config, engine, sampler, steps, batch_size)
     return {"data": config.data.name, "batch_size": batch_size, "world_size": engine.size,
             "train_samples": len(built.split.train), "rows": rows, "step_samples_per_s": step,
             "verdict": verdict(rows, step)}
 
 
-def _input_rate(built: Run, sampler: ShardedBatchSampler, workers: int, count: int, batch_size: int) -> dict:
+def _input_rate(built: Run, sampler: ShardedBatchSampler, workers: int, count: int, batch_size: int,
+                epoch: int) -> dict:
+    """At least `count` batches and a second (a pause of the machine is a small share), after the first."""
+    sampler.set_epoch(epoch)
     loader = batches(built.split.train, sampler, workers, pin_memory=False, collate=built.collate)
     started = time.perf_counter()
     iterator = iter(loader)
     next(iterator)
     first = time.perf_counter() - started
-    started = time.perf_counter()
-    for _ in range(count):
-        next(iterator)
+    done, started = 0, time.perf_counter()
+    while done < count or time.perf_counter() - started < MIN_SECONDS:
+        try:
+            next(iterator)
+        except StopIteration:  # the epoch ran out: the next one's order goes on
+            sampler.set_epoch(sampler.epoch + 1)
+            iterator = iter(loader)
+            continue
+        done += 1
     seconds = time.perf_counter() - started
     del iterator, loader  # its workers end here, before the next count's start
-    return {"workers": workers, "samples_per_s": count * batch_size / seconds, "first_batch_s": first}
+    return {"workers": workers, "samples_per_s": done * batch_size / seconds, "first_batch_s": first}
 
 
 def _step_rate(built: Run, config: Config, engine: Engine, sampler: ShardedBatchSampler, steps: int,
