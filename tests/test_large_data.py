@@ -5,9 +5,11 @@ weights of 1 process x 2B; and a 2 GB file of each kind trains in under 1 GB of 
 
 from __future__ import annotations
 
-import subprocess
 import json
 import shutil
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
