@@ -74,9 +74,10 @@ class MappedArrays(Dataset):
     """Samples (x[i], y[i]) of `.npy` files opened with mmap_mode="r"; x as float32, y as int64
     labels when integers, else float32."""
 
-    def __init__(self, directory: Path, part: HeldOut):
+    def __init__(self, directory: Path, part: HeldOut, arrays: tuple[np.ndarray, np.ndarray] | None = None):
+        """`arrays`: the directory's, when already open."""
         self.directory, self.part = directory, part
-        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self._arrays = arrays
 
     def __len__(self) -> int:
         return len(self.part)
@@ -149,16 +150,22 @@ def array_parts(directory: Path, val_fraction: float) -> tuple[MappedArrays, Map
             if a.shape[1:] != b.shape[1:] or a.dtype.kind != b.dtype.kind:
                 raise UserError(f"data directory '{directory}': train/{name}.npy holds {a.dtype} samples of shape "
                                 f"{a.shape[1:]} but val/{name}.npy {b.dtype} of shape {b.shape[1:]}: they must match")
-        return MappedArrays(train_dir, HeldOut(len(train_x))), MappedArrays(val_dir, HeldOut(len(val_x)))
-    train, val = split(len(open_arrays(directory)[0]), val_fraction)
-    return MappedArrays(directory, train), MappedArrays(directory, val)
+        return (MappedArrays(train_dir, HeldOut(len(train_x)), (train_x, train_y)),
+                MappedArrays(val_dir, HeldOut(len(val_x)), (val_x, val_y)))
+    arrays = open_arrays(directory)
+    train, val = split(len(arrays[0]), val_fraction)
+    return MappedArrays(directory, train, arrays), MappedArrays(directory, val, arrays)
 
 
-def largest_label(*datasets: MappedArrays, chunk: int = 1 << 24) -> int | None:
-    """The largest integer label of the parts' files, read in chunks; None for float targets."""
+def target_files(*datasets: MappedArrays) -> list[np.ndarray]:
+    """The y.npy of each directory the parts read, once each."""
+    return [d.arrays()[1] for d in {d.directory: d for d in datasets}.values()]
+
+
+def largest_label(targets: list[np.ndarray], chunk: int = 1 << 24) -> int | None:
+    """The largest integer label of the target files, read in chunks; None for float targets."""
     largest = -1
-    for directory in dict.fromkeys(d.directory for d in datasets):
-        y = open_arrays(directory)[1]
+    for y in targets:
         if not np.issubdtype(y.dtype, np.integer):
             return None
         for start in range(0, len(y), chunk):
@@ -233,7 +240,11 @@ def whole(path: Path, token_dtype: str, context: int) -> Dataset:
         parts = [path, path.with_name("val" + TOKEN_SUFFIX)] if path.name == "train" + TOKEN_SUFFIX else [path]
         return ConcatDataset([TokenWindows(p, token_dtype, context) for p in parts if p.is_file()])
     directories = [path / "train", path / "val"] if (path / "train").is_dir() and (path / "val").is_dir() else [path]
-    return ConcatDataset([MappedArrays(d, HeldOut(len(open_arrays(d)[0]))) for d in directories])
+    parts = []
+    for directory in directories:
+        arrays = open_arrays(directory)
+        parts.append(MappedArrays(directory, HeldOut(len(arrays[0])), arrays))
+    return ConcatDataset(parts)
 
 
 def vocabulary(*datasets: TokenWindows, chunk: int = 1 << 26) -> int:

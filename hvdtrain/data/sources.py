@@ -161,9 +161,9 @@ def _npz(path: Path, need_targets: bool = True) -> tuple[torch.Tensor, torch.Ten
 def _mapped_arrays(train: mapped.MappedArrays, val: mapped.MappedArrays) -> DataSplit:
     """What the arrays say of themselves, from the files' headers and targets, not their inputs."""
     x, y = train.arrays()
-    largest = mapped.largest_label(train, val)
+    targets = mapped.target_files(train, val)
+    largest = mapped.largest_label(targets)
     target_dtype = np.int64 if largest is not None else np.float32
-    targets = [mapped.open_arrays(directory)[1] for directory in dict.fromkeys((train.directory, val.directory))]
     held = None
     if sum(t.size for t in targets) * 8 <= HELD_TARGETS_LIMIT:  # for the label checks; large ones are not copied
         held = torch.cat([torch.from_numpy(np.array(t, dtype=target_dtype)) for t in targets])

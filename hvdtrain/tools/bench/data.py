@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 
 from hvdtrain.config import Config
 from hvdtrain.data.batch import to_device
@@ -17,6 +16,7 @@ from hvdtrain.data.loading import batches
 from hvdtrain.data.sampler import ShardedBatchSampler
 from hvdtrain.engine import Engine
 from hvdtrain.errors import UserError
+from hvdtrain.tools.bench.train import sync
 from hvdtrain.train.loop import apply_gradients, forward_backward
 from hvdtrain.train.setup import Run, build, check_same_data
 
@@ -84,16 +84,11 @@ def _step_rate(built: Run, config: Config, engine: Engine, sampler: ShardedBatch
         started = time.perf_counter()
         for _ in range(steps):
             step()
-        _sync(engine.device)
+        sync(engine.device)
         done, seconds = done + steps, seconds + time.perf_counter() - started
         if engine.size > 1:  # dist: each step allreduces, so every rank goes on by rank 0's clock
             seconds = engine.broadcast_object(seconds, "bench.data.seconds")
     return done * batch_size / seconds
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def verdict(rows: list[dict], step: float) -> str:

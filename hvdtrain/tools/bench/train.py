@@ -39,11 +39,11 @@ def _round_rates(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Eng
         step()
     rates = []
     for _ in range(repeats):
-        _sync(engine.device)
+        sync(engine.device)
         start = time.perf_counter()
         for _ in range(steps):
             step()
-        _sync(engine.device)
+        sync(engine.device)
         rates.append(steps * len(inputs) / (time.perf_counter() - start))
     return rates
 
@@ -96,7 +96,8 @@ def _device_name(device: torch.device) -> str:
     return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Waits for the device's queued work, so that the host's clock times it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
