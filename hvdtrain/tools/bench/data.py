@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-
 from hvdtrain.config import Config
 from hvdtrain.data.batch import to_device
 from hvdtrain.data.loading import batches
