@@ -8,6 +8,7 @@ its samples hold (see hvdtrain.data.batch); data held in tensors takes a faster 
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,11 +114,15 @@ def _tensors(cfg: DataConfig, seed: int, need_targets: bool = True) -> tuple[tor
 
 
 def _digits() -> tuple[torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits  # ships inside scikit-learn's wheel
-
-    digits = load_digits()
-    x = torch.from_numpy(digits.images.astype(np.float32) / 16.0).unsqueeze(1)  # (N, 1, 8, 8)
-    return x, torch.from_numpy(digits.target.astype(np.int64))
+    # The file behind sklearn.datasets.load_digits, read without importing scikit-learn: that import
+    # (SciPy with it) costs each rank about 1.5 s of CPU at every start.
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the digits data set ships inside scikit-learn: pip install scikit-learn")
+    table = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz",
+                       delimiter=",", dtype=np.float32)  # 1797 rows: 64 pixels in 0..16, then the digit
+    x = torch.from_numpy(table[:, :-1].reshape(-1, 1, 8, 8) / 16.0)  # (N, 1, 8, 8)
+    return x, torch.from_numpy(table[:, -1].astype(np.int64))
 
 
 def _random_teacher(samples: int, features: int, classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
