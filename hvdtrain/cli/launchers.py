@@ -21,6 +21,7 @@ import signal
 import sys
 
 STOPPED = 75  # every rank stopped on a signal with a checkpoint (hvdtrain.errors.StoppedBySignal)
+FAILED_JOB_GRACE_SECONDS = 5
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 # A process with one of these is a rank (or a rank's own worker process, which inherits them).
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "TORCHELASTIC_RUN_ID")
@@ -138,6 +139,11 @@ def torchrun() -> None:
     args.training_script_args = argv[program + 1:]
     if args.training_script == "hvdtrain" and not (args.no_python or args.module or os.path.isfile("hvdtrain")):
         args.module = True  # python -m hvdtrain: the same program as the `hvdtrain` command
+    if args.shutdown_timeout is None and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
+        # Once a worker failed, the others cannot save anything together: a rank stuck in user code
+        # (it notes SIGTERM for the next step, which never comes) would hold the job for torchrun's
+        # 30 s. 5 s, as horovodrun gives its ranks; --shutdown-timeout to change.
+        args.shutdown_timeout = FAILED_JOB_GRACE_SECONDS
     # torchrun logs each failed worker at ERROR before it raises; the line below says it once.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     # torchrun's own handler raises in the agent and then ends the workers; passed on instead, the

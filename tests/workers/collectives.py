@@ -1,0 +1,63 @@
+"""Run under a launcher: the engine's collectives on their own, several checks in one launch.
+
+    horovodrun --gloo -np 2 python tests/workers/collectives.py OUT_DIR [adasum]
+    torchrun --nproc-per-node 2 tests/workers/collectives.py OUT_DIR
+
+- 5 steps on rank-specific data from rank-specific initial weights, averaged (and, given `adasum`,
+  once more combined with Adasum): each rank saves its parameters before and after the broadcast
+  and at the end, to OUT_DIR/rank{R}-{combine}.pt.
+- Each rank gathers its own object to rank 0 and prints what it got.
+- Gradients of 40000 on every rank averaged with fp16 on the wire: each is below fp16's limit
+  (65504), their sum over 2 ranks is not. Prints each rank's averaged gradient.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from hvdtrain.engine import GradientSync, start_engine
+from hvdtrain.models import mlp
+from hvdtrain.train.loop import apply_gradients
+
+STEPS = 5
+
+
+def ranks_agree(combine: str) -> None:
+    torch.manual_seed(100 + engine.rank)  # deliberately different initial weights on each rank
+    model = mlp((6,), 3, hidden=8)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = engine.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                                       GradientSync(adasum=combine == "adasum"))
+    engine.broadcast_parameters(model)
+    broadcast = {k: v.clone() for k, v in model.state_dict().items()}
+    generator = torch.Generator().manual_seed(engine.rank)  # different data on each rank
+    for _ in range(STEPS):
+        x, y = torch.randn(16, 6, generator=generator), torch.randint(0, 3, (16,), generator=generator)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        apply_gradients(model, optimizer, engine, clip_grad_norm=None)
+    torch.save({"initial": initial, "broadcast": broadcast, "final": model.state_dict(), "size": engine.size},
+               out / f"rank{engine.rank}-{combine}.pt")
+
+
+def gather() -> None:
+    got = engine.gather_object({"rank": engine.rank, "payload": list(range(engine.rank * 3))}, "test")
+    print(f"rank {engine.rank} got {got}", flush=True)
+
+
+def fp16_sum() -> None:
+    model = torch.nn.Linear(4, 1, bias=False)
+    optimizer = engine.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.0), model,
+                                      GradientSync(compression="fp16"))
+    (model.weight.sum() * 40000.0).backward()
+    engine.synchronize(optimizer)
+    print(f"rank {engine.rank} averaged gradient {model.weight.grad.tolist()}", flush=True)
+
+
+out = Path(sys.argv[1])
+engine = start_engine("auto", "cpu", threads=1)
+for combine in ["average", *sys.argv[2:]]:
+    ranks_agree(combine)
+gather()
+fp16_sum()
+engine.shutdown(finished=True)
