@@ -447,11 +447,13 @@ def test_ranks_with_3_and_5_batches_stop_within_the_stall_timeout(launcher):
 
 @pytest.mark.parametrize("launcher", HOROVOD_AND_TORCH)
 def test_a_rank_stuck_in_its_step_is_named_under_gloo(launcher, tmp_path):
-    """Horovod's Gloo controller and the torch engine: hvdtrain's own stall watchdog names the rank."""
+    """Horovod's Gloo controller and the torch engine: hvdtrain's own stall watchdog names the rank.
+    The stuck rank notes the launcher's SIGTERM for a step that never comes: it is killed 5 s later
+    under either launcher (torchrun's own wait was 30 s, and this test took 42 s)."""
     started = time.monotonic()
     done = fit_under(launcher, "--model", "user_code:stuck_on_rank_1", "--set", "train.stall_timeout=6",
                      "--run-dir", str(tmp_path / "run"), timeout=90)
-    assert done.returncode != 0 and time.monotonic() - started < 60
+    assert done.returncode != 0 and time.monotonic() - started < 36, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if "the job stalled" in line]
     assert len(errors) == 1, done.stderr[-3000:]
     assert "rank 0 waited" in errors[0] and "in the gradient allreduce at epoch 1, training after step 2" in errors[0]

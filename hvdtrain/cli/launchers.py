@@ -139,11 +139,7 @@ def torchrun() -> None:
     args.training_script_args = argv[program + 1:]
     if args.training_script == "hvdtrain" and not (args.no_python or args.module or os.path.isfile("hvdtrain")):
         args.module = True  # python -m hvdtrain: the same program as the `hvdtrain` command
-    if args.shutdown_timeout is None and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
-        # Once a worker failed, the others cannot save anything together: a rank stuck in user code
-        # (it notes SIGTERM for the next step, which never comes) would hold the job for torchrun's
-        # 30 s. 5 s, as horovodrun gives its ranks; --shutdown-timeout to change.
-        args.shutdown_timeout = FAILED_JOB_GRACE_SECONDS
+    _grace_after_a_failure(args)
     # torchrun logs each failed worker at ERROR before it raises; the line below says it once.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     # torchrun's own handler raises in the agent and then ends the workers; passed on instead, the
@@ -160,6 +156,24 @@ def torchrun() -> None:
         if line:
             print(f"torchrun: {line}", file=sys.stderr, flush=True)
         sys.exit(code)
+
+
+def _grace_after_a_failure(args) -> None:
+    """Once a worker failed, the others cannot save anything together, and a rank stuck in user code
+    (it notes SIGTERM for a next step that never comes) held the job for torchrun's 30 s: 5 s, as
+    horovodrun gives its ranks, unless the user chose (--shutdown-timeout, TORCH_ELASTIC_SHUTDOWN_TIMEOUT).
+    torchrun's agent applies its chosen time only when it is signalled itself; a failed worker's
+    group is stopped with a fixed 30 s (PContext.close's default), which the chosen time replaces."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    if args.shutdown_timeout is None:
+        args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", FAILED_JOB_GRACE_SECONDS))
+    close, grace = PContext.close, args.shutdown_timeout
+
+    def close_within_grace(context: PContext, death_sig: signal.Signals | None = None, timeout: int = grace) -> None:
+        close(context, death_sig, grace)
+
+    PContext.close = close_within_grace
 
 
 def torchrun_outcome(failures: dict[int, object]) -> tuple[int, str | None]:
