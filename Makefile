@@ -17,11 +17,9 @@ install-test:
 demo: install
 	horovodrun -np $(NP) hvdtrain fit
 
-## make test: the whole suite, multi-process tests included (CPU only), on 2 pytest-xdist workers:
-## a test file runs whole on one worker (its shared runs made once); many tests wait on timeouts,
-## signals and launchers, which leaves the cores idle a third of the time on one worker.
+## make test: the whole suite, multi-process tests included (CPU only).
 test: install-test
-	python -m pytest -n 2 --dist loadgroup -ra --durations=40
+	python -m pytest -ra --durations=40
 
 ## make test-fast: the in-process tests only (no launchers, no Slurm, no image builds).
 test-fast: install-test
