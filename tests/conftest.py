@@ -20,6 +20,11 @@ import container_image
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
+# Under pytest-xdist each worker's torchrun meets on a port of its own (torchrun's default, 29500, is
+# one for the whole host: two jobs at once would collide); torchrun reads PET_MASTER_PORT.
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    os.environ.setdefault("PET_MASTER_PORT", str(29500 + 10 * int(os.environ["PYTEST_XDIST_WORKER"][2:])))
+
 # Each launcher as a user types it, for 2 processes on this host.
 LAUNCHERS = {
     "horovodrun-gloo": ["horovodrun", "--gloo", "-np", "2"],
@@ -140,11 +145,51 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
         assert diff <= atol, f"{name} differs by {diff}"
 
 
+# pytest-xdist (make test runs 2 workers): each test file runs whole on one worker, so that its
+# module fixtures (shared runs, the Slurm cluster) are made once; files that watch the same loopback
+# hosts' processes share a worker.
+SAME_WORKER = {"test_elastic": "ssh-hosts", "test_multihost": "ssh-hosts"}
+
+
+def pytest_itemcollected(item):
+    """Here, before xdist's own pytest_collection_modifyitems reads the groups."""
+    item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(item.path.stem, item.path.stem)))
+
+
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session):
+    """Under pytest-xdist the controller starts the container image's build, once for every worker,
+    in its own temporary directory; the worker that runs tests/test_docker.py waits for it there."""
+    config = session.config
+    workers = getattr(config.option, "numprocesses", None)
+    if _is_xdist_worker(config) or not workers or config.option.collectonly:
+        return
+    chosen = config.args or ["tests"]
+    if not any(Path(arg.split("::")[0]).is_dir() or "test_docker" in arg for arg in chosen):
+        return  # only some other files
+    if container_image.available() is None and "not system" not in (config.option.markexpr or ""):
+        build = container_image.Build(ROOT, config._tmp_path_factory.getbasetemp() / "containers")
+        config.stash[container_image.BUILD] = build
+        config.add_cleanup(build.stop)
+
+
+def shared_build(config) -> "container_image.Build | None":
+    """The image build this session started: this process's own, or, on an xdist worker, the controller's."""
+    build = config.stash.get(container_image.BUILD, None)
+    if build is None and _is_xdist_worker(config):
+        build = container_image.Build.attach(config._tmp_path_factory.getbasetemp().parent / "containers")
+    return build
+
+
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config, items):
     """GPU tests run where a GPU is visible and are skipped elsewhere (CI has none). The container
-    image's build starts now, in the background, and its tests run last: the build waits on
-    downloads and disks far more than on the CPU, so it costs little beside the other tests."""
+    image's build starts now, in the background (under xdist, the controller's already has), and its
+    tests run last: the build waits on downloads and disks far more than on the CPU, so it costs
+    little beside the other tests."""
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in items:
@@ -153,6 +198,8 @@ def pytest_collection_modifyitems(config, items):
     images = [item for item in items if item.path.name == "test_docker.py"]
     if images and container_image.available() is None and not config.option.collectonly:
         items[:] = [item for item in items if item not in images] + images
+        if _is_xdist_worker(config):
+            return
         build = container_image.Build(ROOT, config._tmp_path_factory.mktemp("containers"))
         config.stash[container_image.BUILD] = build
         config.add_cleanup(build.stop)

@@ -129,30 +129,49 @@ BUILD = pytest.StashKey["Build"]()  # the session's build, started by conftest
 
 
 class Build:
-    """The base image and the image of docker/Dockerfile.cpu, built by a background process."""
+    """The base image and the image of docker/Dockerfile.cpu, built by a background process. The
+    process writes its exit status to `root/status` last, so that another process of the session (a
+    pytest-xdist worker) can wait for the same build: `Build.attach(root)`."""
 
-    def __init__(self, repo: Path, root: Path):
+    def __init__(self, repo: Path | None, root: Path):
         self.root = root
         self.log = root / "build.log"
+        self.process: subprocess.Popen | None = None
+        if repo is None:
+            return
         root.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as out:
             self.process = subprocess.Popen([sys.executable, __file__, str(repo), str(root)], stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True)
 
+    @classmethod
+    def attach(cls, root: Path) -> "Build | None":
+        """The build another process of this session started in `root`; None if none did."""
+        return cls(None, root) if (root / "build.log").exists() else None
+
     def wait(self, timeout: float = 2400) -> dict[str, str]:
         """Waits for the build; the store's environment once it succeeded."""
-        try:
-            code = self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            raise RuntimeError(f"the image build took over {timeout} s: {self.log.read_text()[-3000:]}") from None
+        deadline = time.monotonic() + timeout
+        status = self.root / "status"
+        while not status.exists() and time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                break
+            time.sleep(1)
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.stop()
+        elif not status.exists():
+            raise RuntimeError(f"the image build took over {timeout} s: {self.log.read_text()[-3000:]}")
+        code = int(status.read_text()) if status.exists() else self.process.returncode
         if code != 0:
             raise RuntimeError(f"the image build failed: {self.log.read_text()[-5000:]}")
         return store_env(self.root / "store")
 
     def stop(self) -> None:
-        if self.process.poll() is None:  # its buildah and tar too: the build runs in a session of its own
-            os.killpg(self.process.pid, 9)
+        if self.process is not None and self.process.poll() is None:  # its buildah and tar too: the build
+            os.killpg(self.process.pid, 9)                             # runs in a session of its own
             self.process.wait()
 
 
@@ -170,4 +189,10 @@ def _build_all(repo: Path, root: Path) -> None:
 
 
 if __name__ == "__main__":
-    _build_all(Path(sys.argv[1]), Path(sys.argv[2]))
+    code = 1
+    try:
+        _build_all(Path(sys.argv[1]), Path(sys.argv[2]))
+        code = 0
+    finally:
+        (Path(sys.argv[2]) / "status").write_text(str(code))
+    sys.exit(code)

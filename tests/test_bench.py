@@ -37,6 +37,7 @@ def test_bench_train_alone(tmp_path):
     assert "samples/s (95% CI)" in done.stdout
 
 
+@pytest.mark.serial
 def test_bench_data_finds_a_slow_data_set_input_bound_and_more_workers_faster(tmp_path):
     """A data set that takes 5 ms per sample gives at most 200 samples/s without workers, far below the
     small model's step: input-bound, and 2 workers read faster than none. Fast in-memory data with
@@ -75,6 +76,7 @@ def test_bench_allreduce_under_horovodrun(tmp_path):
     assert done.stdout.count("busbw (GB/s)") == 1  # rank 0 only
 
 
+@pytest.mark.serial
 @pytest.mark.multiprocess
 @requires_launchers
 def test_bench_train_scaling_under_horovodrun(tmp_path):

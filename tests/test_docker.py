@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import container_image
-from conftest import ROOT
+from conftest import ROOT, shared_build
 
 why_not = container_image.available()
 pytestmark = [pytest.mark.system, pytest.mark.multiprocess, pytest.mark.timeout(3000),
@@ -25,7 +25,7 @@ TAG = container_image.TAG
 @pytest.fixture(scope="module")
 def image(request, tmp_path_factory):
     """The image, from the build that conftest started in the background when the session began."""
-    build = request.config.stash.get(container_image.BUILD, None)
+    build = shared_build(request.config)
     if build is None:  # this module alone, e.g. with -p no:... or an explicit node id
         build = container_image.Build(ROOT, tmp_path_factory.mktemp("containers"))
     started = time.monotonic()
