@@ -22,7 +22,7 @@ demo: install
 ## signals and launchers, which leaves the cores idle a third of the time on one worker.
 ## Tests marked serial time their steps and run alone afterwards.
 test: install-test
-	python -m pytest -n 2 --dist loadgroup -m "not serial" -ra --durations=40; shared=$$?; \
+	python -m pytest -n 2 --dist loadfile -m "not serial" -ra --durations=40; shared=$$?; \
 	python -m pytest -m serial -ra; alone=$$?; exit $$((shared || alone))
 
 ## make test-fast: the in-process tests only (no launchers, no Slurm, no image builds).

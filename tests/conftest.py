@@ -145,15 +145,8 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
         assert diff <= atol, f"{name} differs by {diff}"
 
 
-# pytest-xdist (make test runs 2 workers): each test file runs whole on one worker, so that its
-# module fixtures (shared runs, the Slurm cluster) are made once; files that watch the same loopback
-# hosts' processes share a worker.
-SAME_WORKER = {"test_elastic": "ssh-hosts", "test_multihost": "ssh-hosts"}
-
-
-def pytest_itemcollected(item):
-    """Here, before xdist's own pytest_collection_modifyitems reads the groups."""
-    item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(item.path.stem, item.path.stem)))
+# pytest-xdist (make test runs 2 workers, --dist loadfile): each test file runs whole on one
+# worker, so that its module fixtures (shared runs, the Slurm cluster) are made once.
 
 
 def _is_xdist_worker(config) -> bool:
