@@ -20,11 +20,6 @@ import container_image
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
-# Under pytest-xdist each worker's torchrun meets on a port of its own (torchrun's default, 29500, is
-# one for the whole host: two jobs at once would collide); torchrun reads PET_MASTER_PORT.
-if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
-    os.environ.setdefault("PET_MASTER_PORT", str(29500 + 10 * int(os.environ["PYTEST_XDIST_WORKER"][2:])))
-
 # Each launcher as a user types it, for 2 processes on this host.
 LAUNCHERS = {
     "horovodrun-gloo": ["horovodrun", "--gloo", "-np", "2"],

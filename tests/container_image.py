@@ -18,6 +18,7 @@ runs it in the background while the rest of the suite runs (conftest starts it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -130,8 +131,9 @@ BUILD = pytest.StashKey["Build"]()  # the session's build, started by conftest
 
 class Build:
     """The base image and the image of docker/Dockerfile.cpu, built by a background process. The
-    process writes its exit status to `root/status` last, so that another process of the session (a
-    pytest-xdist worker) can wait for the same build: `Build.attach(root)`."""
+    process writes its exit status to `root/status` last, and its owner its pid to `root/pid`, so
+    that another process of the session (a pytest-xdist worker) can wait for the same build:
+    `Build.attach(root)`. The owner removes the images when it stops."""
 
     def __init__(self, repo: Path | None, root: Path):
         self.root = root
@@ -143,36 +145,46 @@ class Build:
         with open(self.log, "w") as out:
             self.process = subprocess.Popen([sys.executable, __file__, str(repo), str(root)], stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True)
+        (root / "pid").write_text(str(self.process.pid))
 
     @classmethod
     def attach(cls, root: Path) -> "Build | None":
         """The build another process of this session started in `root`; None if none did."""
-        return cls(None, root) if (root / "build.log").exists() else None
+        return cls(None, root) if (root / "pid").exists() else None
 
     def wait(self, timeout: float = 2400) -> dict[str, str]:
         """Waits for the build; the store's environment once it succeeded."""
         deadline = time.monotonic() + timeout
         status = self.root / "status"
-        while not status.exists() and time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                break
-            time.sleep(1)
-        if self.process is not None:
-            try:
-                self.process.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        while not status.exists() and self._running():
+            if time.monotonic() > deadline:
                 self.stop()
-        elif not status.exists():
-            raise RuntimeError(f"the image build took over {timeout} s: {self.log.read_text()[-3000:]}")
-        code = int(status.read_text()) if status.exists() else self.process.returncode
+                raise RuntimeError(f"the image build took over {timeout} s: {self.log.read_text()[-3000:]}")
+            time.sleep(1)
+        code = int(status.read_text()) if status.exists() else 1  # killed before it could say
         if code != 0:
             raise RuntimeError(f"the image build failed: {self.log.read_text()[-5000:]}")
         return store_env(self.root / "store")
 
+    def _running(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None
+        import psutil
+
+        try:  # the owner reaps it only when it stops: a zombie has ended
+            return psutil.Process(int((self.root / "pid").read_text())).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:  # its buildah and tar too: the build
-            os.killpg(self.process.pid, 9)                             # runs in a session of its own
+        if self.process is None:
+            return
+        if self.process.poll() is None:  # its buildah and tar too: the build runs in a session of its own
+            os.killpg(self.process.pid, 9)
             self.process.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run(["podman", "rmi", "-f", TAG, BASE], env=store_env(self.root / "store"),
+                           capture_output=True, timeout=120)
 
 
 def _build_all(repo: Path, root: Path) -> None:
@@ -193,6 +205,7 @@ if __name__ == "__main__":
     try:
         _build_all(Path(sys.argv[1]), Path(sys.argv[2]))
         code = 0
-    finally:
-        (Path(sys.argv[2]) / "status").write_text(str(code))
+    finally:  # whole or absent for a process that waits on it
+        (Path(sys.argv[2]) / "status.tmp").write_text(str(code))
+        os.replace(Path(sys.argv[2]) / "status.tmp", Path(sys.argv[2]) / "status")
     sys.exit(code)

@@ -26,13 +26,15 @@ TAG = container_image.TAG
 def image(request, tmp_path_factory):
     """The image, from the build that conftest started in the background when the session began."""
     build = shared_build(request.config)
-    if build is None:  # this module alone, e.g. with -p no:... or an explicit node id
+    own = build is None  # this module alone, e.g. with -p no:... or an explicit node id
+    if own:
         build = container_image.Build(ROOT, tmp_path_factory.mktemp("containers"))
     started = time.monotonic()
     env = build.wait()
     print(f"\nwaited {time.monotonic() - started:.0f} s for the image; {build.log.read_text().strip()}")  # -s shows it
     yield env, build.root
-    subprocess.run(["podman", "rmi", "-f", TAG, container_image.BASE], env=env, capture_output=True, timeout=120)
+    if own:
+        build.stop()
 
 
 def _podman_run(env: dict, runs: Path, *command: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -91,6 +91,11 @@ def test_every_rank_holds_identical_parameters_after_k_steps(launcher, combine, 
     assert_same_weights(rank0["final"], rank1["final"], atol=0.0)  # and stay identical after 5 steps
     with pytest.raises(AssertionError):
         assert_same_weights(rank0["final"], rank0["broadcast"], atol=0.0)  # training moved them
+    if combine == "adasum":  # the same seeds and data as the averaged run: Adasum combined otherwise
+        averaged = torch.load(out / "rank0-average.pt", weights_only=True)
+        assert_same_weights(averaged["broadcast"], rank0["broadcast"], atol=0.0)
+        with pytest.raises(AssertionError):
+            assert_same_weights(averaged["final"], rank0["final"], atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -487,8 +492,9 @@ def test_gather_brings_every_rank_s_object_to_rank_0_only(launcher, collectives)
 
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
 def test_fp16_compression_averages_gradients_whose_sum_would_overflow(launcher, collectives):
-    """Gradients of 40000 on each of 2 ranks: below fp16's limit, their sum is not. fp16 on the wire
-    divides before the sum on both engines, so the average arrives as 40000, not inf."""
+    """Gradients of 40001 on each of 2 ranks: below fp16's limit, their sum is not. fp16 on the wire
+    divides before the sum on both engines, so the average arrives as 40000 (fp16's nearest), not inf,
+    nor 40001 (fp16 not used)."""
     _, done = collectives(launcher)
     for rank in (0, 1):
         assert f"rank {rank} averaged gradient [[40000.0, 40000.0, 40000.0, 40000.0]]" in done.stdout, done.stdout

@@ -162,16 +162,26 @@ def _grace_after_a_failure(args) -> None:
     """Once a worker failed, the others cannot save anything together, and a rank stuck in user code
     (it notes SIGTERM for a next step that never comes) held the job for torchrun's 30 s: 5 s, as
     horovodrun gives its ranks, unless the user chose (--shutdown-timeout, TORCH_ELASTIC_SHUTDOWN_TIMEOUT).
-    torchrun's agent applies its chosen time only when it is signalled itself; a failed worker's
-    group is stopped with a fixed 30 s (PContext.close's default), which the chosen time replaces."""
+    torchrun's agent passes the chosen time when it is signalled and when it ends, but stops the
+    group of a failed worker (in PContext._poll) with close()'s fixed 30 s: every close gets it here."""
     from torch.distributed.elastic.multiprocessing.api import PContext
 
-    if args.shutdown_timeout is None:
-        args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", FAILED_JOB_GRACE_SECONDS))
-    close, grace = PContext.close, args.shutdown_timeout
+    chosen = getattr(args, "shutdown_timeout", None)  # torch < 2.10 has no such option
+    if chosen is None:
+        raw = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(FAILED_JOB_GRACE_SECONDS))
+        chosen = int(raw) if raw.strip().isdigit() else -1
+        if chosen < 0:
+            print(f"torchrun: TORCH_ELASTIC_SHUTDOWN_TIMEOUT is whole seconds, not {raw!r}", file=sys.stderr)
+            sys.exit(2)
+    elif chosen < 0:
+        print(f"torchrun: --shutdown-timeout is whole seconds, not {chosen}", file=sys.stderr)
+        sys.exit(2)
+    if hasattr(args, "shutdown_timeout"):
+        args.shutdown_timeout = chosen
+    close = PContext.close
 
-    def close_within_grace(context: PContext, death_sig: signal.Signals | None = None, timeout: int = grace) -> None:
-        close(context, death_sig, grace)
+    def close_within_grace(context: PContext, death_sig: signal.Signals | None = None, timeout: int = chosen) -> None:
+        close(context, death_sig, chosen)
 
     PContext.close = close_within_grace
 

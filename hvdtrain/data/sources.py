@@ -117,10 +117,17 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor]:
     # The file behind sklearn.datasets.load_digits, read without importing scikit-learn: that import
     # (SciPy with it) costs each rank about 1.5 s of CPU at every start.
     spec = importlib.util.find_spec("sklearn")
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None:
         raise UserError("the digits data set ships inside scikit-learn: pip install scikit-learn")
-    table = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz",
-                       delimiter=",", dtype=np.float32)  # 1797 rows: 64 pixels in 0..16, then the digit
+    files = [Path(top) / "datasets" / "data" / "digits.csv.gz" for top in spec.submodule_search_locations or []]
+    found = next((path for path in files if path.is_file()), None)
+    if found is None:  # laid out otherwise (a zipped install): scikit-learn's own reader
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        table = np.hstack([digits.data, digits.target[:, None]]).astype(np.float32)
+    else:  # 1797 rows: 64 pixels in 0..16, then the digit
+        table = np.loadtxt(found, delimiter=",", dtype=np.float32)
     x = torch.from_numpy(table[:, :-1].reshape(-1, 1, 8, 8) / 16.0)  # (N, 1, 8, 8)
     return x, torch.from_numpy(table[:, -1].astype(np.int64))
 

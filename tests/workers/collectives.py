@@ -7,8 +7,9 @@
   once more combined with Adasum): each rank saves its parameters before and after the broadcast
   and at the end, to OUT_DIR/rank{R}-{combine}.pt.
 - Each rank gathers its own object to rank 0 and prints what it got.
-- Gradients of 40000 on every rank averaged with fp16 on the wire: each is below fp16's limit
-  (65504), their sum over 2 ranks is not. Prints each rank's averaged gradient.
+- Gradients of 40001 on every rank averaged with fp16 on the wire: each is below fp16's limit
+  (65504), their sum over 2 ranks is not, and fp16 holds 40001 as 40000 (its steps are 32 there),
+  so 40000 comes back only through fp16. Prints each rank's averaged gradient.
 """
 
 import sys
@@ -49,7 +50,7 @@ def fp16_sum() -> None:
     model = torch.nn.Linear(4, 1, bias=False)
     optimizer = engine.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.0), model,
                                       GradientSync(compression="fp16"))
-    (model.weight.sum() * 40000.0).backward()
+    (model.weight.sum() * 40001.0).backward()
     engine.synchronize(optimizer)
     print(f"rank {engine.rank} averaged gradient {model.weight.grad.tolist()}", flush=True)
 
