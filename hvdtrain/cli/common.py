@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -11,6 +12,12 @@ from typing import Any, Callable, NoReturn
 import click
 
 from hvdtrain.errors import RendezvousFailed, StoppedBySignal, UserError
+
+# dist: how long a rank that stays quiet about an error waits before it exits. Launchers stop every
+# rank once one exits; a quiet rank leaving first would cut off rank 0 before its line (a rank 0 that
+# started a second late, on a loaded host, was). Rank 0's exit ends the wait sooner: its launcher
+# stops the others then.
+QUIET_RANK_WAIT_SECONDS = 5.0
 
 
 def with_engine(debug: bool, work: Callable[[Any], Any], **engine_args: Any) -> None:
@@ -74,6 +81,8 @@ def fail(message: str, code: int, debug: bool, every_rank: bool = False) -> NoRe
         traceback.print_exc()
     if every_rank or (launcher_rank() or 0) == 0:  # dist: one line from rank 0, not one per rank
         click.echo(f"hvdtrain: error: {message}", err=True)
+    else:
+        time.sleep(QUIET_RANK_WAIT_SECONDS)
     sys.exit(code)
 
 
