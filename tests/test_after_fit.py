@@ -364,3 +364,30 @@ def test_evaluate_of_a_batch_norm_model_reproduces_fit_s_record(launcher, tmp_pa
     result, record = json.loads(out.read_text()), _records(run_dir)[-1]
     assert result["loss"] == pytest.approx(record["val_loss"], rel=1e-5)
     assert result["acc"] == pytest.approx(record["val_acc"], abs=1e-9)
+
+
+def test_predictions_are_held_by_rank_0_alone(finished_digits):
+    """dist: each rank predicts its batches and sends them to rank 0 only, so the memory of the other
+    ranks does not grow with the world size: rank 1 of 2 ends with nothing."""
+    from hvdtrain.after.inference import predict_run
+    from hvdtrain.after.saved_run import open_run
+    from hvdtrain.engine.local import LocalEngine
+
+    class RankOneOfTwo(LocalEngine):
+        def __init__(self, device: torch.device):
+            super().__init__(device)
+            self.rank, self.size = 1, 2
+            self.sent: list = []
+
+        def gather_object(self, obj, name):
+            self.sent.append(obj)
+            return None
+
+        def allgather_object(self, obj, name):
+            return [obj, obj]
+
+    saved = open_run(LocalEngine(torch.device("cpu")), finished_digits)
+    engine = RankOneOfTwo(torch.device("cpu"))
+    assert predict_run(saved, engine, "all", raw=False) is None
+    batches = [number for number, _ in engine.sent[0]]
+    assert batches and all(number % 2 == 1 for number in batches)  # its own half, sent once

@@ -14,9 +14,12 @@ def test_sizes_sweep_by_four():
     assert sizes(4 << 10, 256 << 20) == [4 << 10 << (2 * i) for i in range(9)]
 
 
-def test_mean_ci95():
+def test_mean_ci95_is_student_s_interval_for_few_repeats():
+    # Tables: t(0.975) is 4.303 for 2 degrees of freedom, 2.045 for 29; the sample deviation of 10, 12, 14 is 2.
     mean, half = mean_ci95([10.0, 12.0, 14.0])
-    assert mean == 12.0 and half == pytest.approx(1.96 * 2.0 / 3 ** 0.5)
+    assert mean == 12.0 and half == pytest.approx(4.303 * 2.0 / 3 ** 0.5, rel=1e-3)
+    assert mean_ci95([10.0, 14.0] * 15)[1] == pytest.approx(2.045 * 2.0342 / 30 ** 0.5, rel=1e-3)
+    assert mean_ci95([7.0]) == (7.0, 0.0)
 
 
 def test_bench_sampler_reports_both_samplers(tmp_path):
@@ -72,6 +75,8 @@ def test_bench_allreduce_under_horovodrun(tmp_path):
     assert result["world_size"] == 2 and [r["bytes"] for r in result["rows"]] == sizes(4 << 10, 1 << 20)
     for row in result["rows"]:  # bus bandwidth = algorithm bandwidth x 2(n-1)/n, n = 2
         assert row["time_us"] > 0 and row["busbw_GBps"] == pytest.approx(row["algbw_GBps"])
+    # 256 times the bytes take longer: the figures are of the sizes they name, not of one size.
+    assert result["rows"][-1]["time_us"] > result["rows"][0]["time_us"]
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert done.stdout.count("busbw (GB/s)") == 1  # rank 0 only
 

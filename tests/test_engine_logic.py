@@ -1,0 +1,117 @@
+"""Engine paths whose trigger is a GPU or a change of processes, shown in one process on the CPU:
+the host's wait for NCCL named, optimizer state sent from the host, elastic attempts' run files."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import torch
+
+from hvdtrain.config import Config
+from hvdtrain.engine.local import LocalEngine
+from hvdtrain.engine.torch_distributed import TorchEngine
+from hvdtrain.engine.watchdog import Activity
+
+
+def test_the_host_waits_for_nccl_inside_the_named_gradient_allreduce(monkeypatch):
+    """With NCCL, work.wait() only orders the GPU's streams: the host must block on the stream inside
+    the collective the stall watchdog names, not later in the loss's bool()."""
+    engine = TorchEngine.__new__(TorchEngine)  # no process group: only the host's waiting is exercised
+    engine.device, engine.activity = torch.device("cuda", 0), Activity()
+    engine._gradients = SimpleNamespace(wait=lambda: None)
+    seen: list[str | None] = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            seen.append(engine.activity.collective)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    assert engine.synchronize(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    assert seen == ["the gradient allreduce"]
+    assert engine.activity.collective is None
+
+
+def test_optimizer_state_travels_as_host_tensors_of_its_own(monkeypatch):
+    """dist: rank 0 sends copies made by .cpu(), never the optimizer's own (device) tensors: pickled
+    CUDA tensors would be unpickled onto cuda:0 on every rank."""
+    sent: list = []
+
+    class RankZeroOfTwo(LocalEngine):
+        def __init__(self, device: torch.device):
+            super().__init__(device)
+            self.size = 2
+
+        def broadcast_object(self, obj, name):
+            sent.append(obj)
+            return obj
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(4, 3)).sum().backward()
+    optimizer.step()
+    copied = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda tensor: copied(tensor).clone())  # a copy, as from a GPU
+    RankZeroOfTwo(torch.device("cpu")).broadcast_optimizer_state(optimizer)
+    own = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    travelled = [t for state in sent[0]["state"].values() for t in state.values() if isinstance(t, torch.Tensor)]
+    assert len(travelled) == len(own) == 6  # step, exp_avg, exp_avg_sq of weight and bias
+    assert not any(t is mine for t in travelled for mine in own)
+    assert all(t.device.type == "cpu" for t in travelled)
+
+
+class _Interrupted(Exception):
+    """A change of processes, as Horovod's elastic state raises it at a commit."""
+
+
+class _OneChangeOfProcesses(LocalEngine):
+    """One process whose elastic loop sees one change: the first attempt ends at its second commit."""
+
+    def require_elastic(self) -> None:
+        pass
+
+    def is_engine_signal(self, err: BaseException) -> bool:
+        return isinstance(err, _Interrupted)
+
+    def elastic_state(self, model, optimizer, before_sync, **objects):
+        before_sync()
+        commits = []
+
+        class State(SimpleNamespace):
+            def commit(self) -> None:
+                commits.append(1)
+                if len(commits) == 2:
+                    raise _Interrupted
+
+        return State(**objects)
+
+    def run_elastic(self, train, state):
+        with contextlib.suppress(_Interrupted):
+            return train(state)
+        return train(state)
+
+
+def test_each_elastic_attempt_s_run_files_are_closed(tmp_path, monkeypatch):
+    """An attempt ended by a change of processes leaves its TensorBoard writer open unless the next
+    attempt closes it; the last attempt's files close when fit ends."""
+    from hvdtrain.train import elastic, fit
+
+    opened = []
+
+    def recording(*args, **kwargs):
+        files = open_run_files(*args, **kwargs)
+        closed = []
+        files.close = (lambda close: lambda: (closed.append(1), close())[1])(files.close)
+        opened.append(closed)
+        return files
+
+    open_run_files = elastic.open_run_files
+    monkeypatch.setattr(elastic, "open_run_files", recording)
+    config = Config.from_dict({"data": {"name": "random", "samples": 256}, "train": {"epochs": 2, "elastic": True,
+                                                                                    "commit_every": 1},
+                               "run": {"dir": str(tmp_path / "run"), "progress": "off"}})
+    summary = fit.fit(config, _OneChangeOfProcesses(torch.device("cpu")))
+    assert summary["epochs"] == 2
+    assert len(opened) == 2, "two attempts, each with its own run files"
+    assert all(closed == [1] for closed in opened), opened
+
