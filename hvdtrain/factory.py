@@ -33,6 +33,9 @@ def resolve_factory(path: str, what: str, require_callable: bool = True) -> Call
     target: Any = module
     for part in attribute.split("."):
         if not hasattr(target, part):
+            if module_name == "hvdtrain.api":  # an object handed to hvdtrain.fit lives in that script alone
+                raise UserError(f"the {what} of this run was a Python object given to hvdtrain.fit: it cannot be "
+                                "rebuilt here; give it again from Python, or use a package.module:function")
             raise UserError(f"{what} factory '{path}': '{module_name}' has no attribute '{attribute}'")
         target = getattr(target, part)
     if require_callable and not callable(target):

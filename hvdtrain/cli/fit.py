@@ -11,24 +11,8 @@ from typing import Any, Callable, Sequence
 import click
 
 from hvdtrain.cli.common import is_rank_0, with_engine, write_json
-from hvdtrain.config import load_config, parse_assignment
+from hvdtrain.config import parse_assignment, settings_config
 from hvdtrain.errors import UserError
-
-# Flag name -> config key. Flags left out keep the YAML (or default) value.
-FIT_FLAGS = {
-    "data": "data.name", "batch_size": "data.batch_size", "model": "model.name", "task": "task.name",
-    "optimizer": "optim.name", "lr": "optim.lr", "scale_lr": "optim.scale_lr",
-    "warmup_epochs": "optim.warmup_epochs", "clip_grad_norm": "optim.clip_grad_norm",
-    "epochs": "train.epochs", "seed": "train.seed", "accumulate": "train.accumulate",
-    "compression": "train.compression", "adasum": "train.adasum", "device": "train.device",
-    "threads": "train.threads", "precision": "train.precision", "channels_last": "train.channels_last",
-    "compile": "train.compile", "nonfinite": "train.nonfinite", "num_workers": "data.num_workers", "run_dir": "run.dir", "resume": "run.resume",
-    "checkpoint_every_steps": "run.checkpoint_every_steps", "checkpoint_every_minutes": "run.checkpoint_every_minutes",
-    "stop_signals": "run.stop_signals",
-    "overwrite": "run.overwrite", "progress": "run.progress", "elastic": "train.elastic",
-    "log_every": "run.log_every", "tensorboard": "run.tensorboard", "horovod_timeline": "run.horovod_timeline",
-}
-
 
 def fit_options(function: Callable[..., Any]) -> Callable[..., Any]:
     """The flags of `fit`, shared with `plan` (which shows what a fit with them would do)."""
@@ -106,13 +90,7 @@ def fit(config_path: str | None, assignments: Sequence[str], engine: str | None,
 
 
 def fit_config(config_path: str | None, assignments: Sequence[str], flags: dict[str, Any], engine: str | None = None):
-    overrides = dict(parse_assignment(text) for text in assignments)
-    if flags.get("resume") == "always":  # plain --resume
-        flags = {**flags, "resume": True}
-    overrides.update({FIT_FLAGS[name]: value for name, value in flags.items() if value is not None})
-    if engine is not None:
-        overrides["train.engine"] = engine
-    return load_config(config_path, overrides)
+    return settings_config(config_path, dict(parse_assignment(text) for text in assignments), flags, engine)
 
 
 @click.command()

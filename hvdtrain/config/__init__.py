@@ -3,9 +3,9 @@ field), `coercion` (raw values to typed fields) and `loading` (YAML, --set, `hvd
 Imports nothing of hvdtrain but `errors`; everything else may import it.
 """
 
-from hvdtrain.config.loading import describe, load_config, parse_assignment
+from hvdtrain.config.loading import FIT_SETTINGS, describe, load_config, parse_assignment, settings_config
 from hvdtrain.config.schema import (Config, DataConfig, ModelConfig, OptimConfig, RunConfig, TaskConfig,
                                     TrainConfig)
 
 __all__ = ["Config", "DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TaskConfig", "TrainConfig",
-           "describe", "load_config", "parse_assignment"]
+           "FIT_SETTINGS", "describe", "load_config", "parse_assignment", "settings_config"]

@@ -1,0 +1,132 @@
+"""hvdtrain from Python: `hvdtrain.fit` is the `hvdtrain fit` command's twin, taking objects too.
+
+    import hvdtrain
+    summary = hvdtrain.fit(model=Net(), data=(train_set, val_set), task="classification",
+                           epochs=10, batch_size=64, run_dir="runs/exp1")
+
+The same script runs alone or under any launcher, one process per GPU or CPU slot:
+
+    python train.py
+    horovodrun -np 4 python train.py          # the Horovod engine
+    mpirun -np 4 python train.py
+    torchrun --nproc-per-node 4 train.py      # the torch engine
+
+dist: every rank runs the script and builds its own objects; rank 0's weights are broadcast
+before the first step, so a model whose weights differ per rank starts from rank 0's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Union
+
+from hvdtrain.config import FIT_SETTINGS, Config, settings_config
+from hvdtrain.errors import UserError
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    ModelLike = Union[str, "nn.Module", Callable[..., "nn.Module"]]
+    DataLike = Union[str, "Dataset", "tuple[Dataset, Dataset]", Callable[[], Any]]
+
+# The objects handed to `fit` in this process, named in the config as factories of this module
+# (`hvdtrain.api:given.model`), so that they go the same way as a `package.module:function`.
+given = SimpleNamespace()
+GIVEN = "hvdtrain.api:given."
+
+
+def fit(model: ModelLike | None = None, data: DataLike | None = None, task: Any = None, *,
+        config: str | Path | None = None, overrides: Mapping[str, Any] | None = None, engine: str | None = None,
+        **settings: Any) -> dict[str, Any]:
+    """Trains on every rank as `hvdtrain fit` does and returns the summary (also in summary.json).
+
+    model: a built-in name ('mlp', 'cnn'), a `package.module:function`, an `nn.Module`, or a function
+        that builds one (given what it accepts of input_shape, num_classes, num_outputs; called after
+        seeding with train.seed, as a factory is).
+    data: a built-in name or a path, a `package.module:function`, a map-style Dataset (split into
+        train and validation by data.val_fraction), a (train, val) pair of them, or a function of no
+        arguments returning either.
+    task: 'classification', 'regression', 'multilabel', 'language-model', a `package.module:attribute`,
+        or your own object: a loss function loss(output, target), a loss module, or a task object.
+    config: a YAML file, as `--config`; overrides: config keys, as `--set` ({'data.num_workers': 2}).
+    engine: 'auto' (default), 'horovod', 'torch' or 'local', as `--engine`.
+    settings: fit's flags by name (epochs=3, batch_size=64, lr=0.1, run_dir='runs/a', resume='auto', ...).
+    """
+    from hvdtrain.engine import start_engine
+    from hvdtrain.train import early_signals
+    from hvdtrain.train.fit import fit as run_fit
+
+    early_signals.hold()  # as the command: a scheduler's signal while starting stops at the first step
+    try:
+        cfg = fit_config(model, data, task, config, overrides, engine, settings)
+        started = start_engine(kind=cfg.train.engine, device=cfg.train.device, threads=cfg.train.threads,
+                               stall_timeout=cfg.train.stall_timeout, keep_freed_memory=cfg.train.keep_freed_memory,
+                               timeline=cfg.run.horovod_timeline)
+        finished = False
+        try:
+            summary = run_fit(cfg, started)
+            finished = True
+            return summary
+        finally:
+            started.shutdown(finished)
+    finally:
+        early_signals.restore()
+
+
+def fit_config(model: Any, data: Any, task: Any, config: str | Path | None, overrides: Mapping[str, Any] | None,
+               engine: str | None, settings: dict[str, Any]) -> Config:
+    """The Config that `fit` runs: objects become this module's factories, the rest as the command's."""
+    for name in ("model", "data", "task"):
+        if name in settings:
+            raise UserError(f"{name} is fit's own argument here, not a setting")
+    named = {"model": _model(model), "data": _data(data), "task": _task(task)}
+    return settings_config(config, dict(overrides or {}), {**settings, **named}, engine)
+
+
+def _model(model: Any) -> str | None:
+    import torch
+
+    if model is None or isinstance(model, str):
+        return model
+    if isinstance(model, torch.nn.Module):
+        return _keep("model", lambda: model)
+    if callable(model):
+        return _keep("model", model)
+    raise UserError(f"model must be an nn.Module, a function that builds one, or a name; got {type(model).__name__}")
+
+
+def _data(data: Any) -> str | None:
+    if data is None or isinstance(data, str):
+        return data
+    if isinstance(data, Path):
+        return str(data)
+    pair = data if isinstance(data, tuple) and len(data) == 2 else (data,)
+    if any(type(part).__name__ == "Tensor" for part in pair):
+        raise UserError("data takes Datasets, not tensors: wrap inputs and targets as "
+                        "torch.utils.data.TensorDataset(x, y)")
+    if all(_is_map_style(part) for part in pair):
+        return _keep("data", lambda: data)
+    if callable(data) and not hasattr(data, "__len__"):
+        return _keep("data", data)
+    raise UserError(f"data must be a map-style Dataset (with __getitem__ and __len__), a (train, val) pair of them, "
+                    f"a function returning either, or a name or path; got {type(data).__name__}")
+
+
+def _task(task: Any) -> str | None:
+    if task is None or isinstance(task, str):
+        return task
+    return _keep("task", task)  # hvdtrain.tasks.user takes it in whichever form it comes
+
+
+def _is_map_style(part: Any) -> bool:
+    return hasattr(part, "__getitem__") and hasattr(part, "__len__") and not isinstance(part, (str, bytes, Mapping))
+
+
+def _keep(name: str, value: Any) -> str:
+    setattr(given, name, value)
+    return f"{GIVEN}{name}"
+
+
+__all__ = ["FIT_SETTINGS", "fit"]

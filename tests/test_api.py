@@ -1,0 +1,76 @@
+"""hvdtrain from Python: `hvdtrain.fit` with objects ends where `hvdtrain fit` with factories does,
+alone and under horovodrun, mpirun and torchrun; what it refuses, it refuses in one clear error."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import hvdtrain
+from conftest import LAUNCHERS, ROOT, assert_same_weights, final_weights, fit_under, python_under, requires_launchers, run
+from hvdtrain import UserError
+
+SCRIPT = ROOT / "tests" / "workers" / "api_script.py"
+# The script's pieces as the command names them (tests/user_code.py).
+AS_FACTORIES = ["--data", "user_code:blobs_split", "--model", "user_code:tiny_net", "--task", "torch.nn:CrossEntropyLoss",
+                "--epochs", "3", "--batch-size", "16", "--set", "optim.momentum=0.5"]
+
+
+@pytest.fixture(scope="module")
+def command_run(tmp_path_factory):
+    """`hvdtrain fit` under horovodrun -np 2 with the script's pieces as factories."""
+    run_dir = tmp_path_factory.mktemp("command") / "run"
+    done = fit_under("horovodrun-gloo", *AS_FACTORIES, "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
+def test_a_script_with_objects_ends_with_the_command_s_weights(launcher, command_run, tmp_path):
+    done = run([*python_under(launcher), str(SCRIPT), str(tmp_path / "run")], cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} summary epochs 3 world size 2" in done.stdout, done.stdout[-2000:]
+    assert_same_weights(final_weights(command_run), final_weights(tmp_path / "run"), atol=1e-6)
+
+
+def test_one_process_script_equals_the_command_alone(tmp_path):
+    """The script without a launcher against the command without one (both on the local engine)."""
+    done = run([sys.executable, str(SCRIPT), str(tmp_path / "script")], cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    command = fit_under(None, *AS_FACTORIES, "--run-dir", str(tmp_path / "command"))
+    assert command.returncode == 0, command.stderr[-3000:]
+    assert_same_weights(final_weights(tmp_path / "command"), final_weights(tmp_path / "script"), atol=0)
+
+
+def _blobs():
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 3, (120,), generator=g)
+    return TensorDataset(torch.randn(120, 5, generator=g) + y[:, None], y)
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(model="user_code:tiny_net", data=(torch.zeros(4, 5), torch.zeros(4))), "data takes Datasets, not tensors"),
+    (dict(model="user_code:tiny_net", data=42), "data must be a map-style Dataset"),
+    (dict(model=42, data=_blobs()), "model must be an nn.Module, a function that builds one, or a name; got int"),
+    (dict(data=_blobs(), batch_sise=4), "unknown setting 'batch_sise'"),
+    (dict(data=_blobs(), epochs=0), "config key 'train.epochs' must be at least 1"),
+])
+def test_what_fit_refuses_it_refuses_in_one_error(call, message, tmp_path):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        hvdtrain.fit(**call, run_dir=str(tmp_path / "run"), progress="off", engine="local")
+    assert not (tmp_path / "run").exists()
+
+
+def test_evaluating_a_run_of_objects_from_the_command_says_why_it_cannot(tmp_path):
+    hvdtrain.fit(model=torch.nn.Sequential(torch.nn.Linear(5, 3)), data=_blobs(), epochs=1, batch_size=16,
+                 run_dir=str(tmp_path / "run"), progress="off", engine="local")
+    done = run(["hvdtrain", "evaluate", str(tmp_path / "run")])
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "hvdtrain: error: the model of this run was a Python object given to hvdtrain.fit: it cannot be rebuilt "
+        "here; give it again from Python, or use a package.module:function")

@@ -1,0 +1,26 @@
+"""A user's training script on hvdtrain's Python API: objects built in code, no factories.
+
+    python tests/workers/api_script.py RUN_DIR
+    horovodrun -np 2 python tests/workers/api_script.py RUN_DIR
+    torchrun --nproc-per-node 2 tests/workers/api_script.py RUN_DIR
+
+The same pieces as `hvdtrain fit --data user_code:blobs_split --model user_code:tiny_net`: the data
+first, then the model after seeding with train.seed (0), as the command builds them. Ranks other
+than 0 build their model from another seed: hvdtrain starts every rank from rank 0's weights.
+"""
+
+import os
+import sys
+
+import torch
+
+import hvdtrain
+from user_code import blobs_split, tiny_net
+
+rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0"))))
+data = blobs_split()
+torch.manual_seed(0 if rank == 0 else 1234)
+model = tiny_net((5,), 3)
+summary = hvdtrain.fit(model=model, data=data, task=torch.nn.CrossEntropyLoss(), epochs=3, batch_size=16,
+                       run_dir=sys.argv[1], progress="off", overrides={"optim.momentum": 0.5})
+print(f"rank {rank} summary epochs {summary['epochs']} world size {summary['world_size']}", flush=True)
