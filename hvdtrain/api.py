@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
 
 from hvdtrain.config import FIT_SETTINGS, Config, settings_config
 from hvdtrain.errors import UserError
@@ -38,8 +38,8 @@ GIVEN = "hvdtrain.api:given."
 
 
 def fit(model: ModelLike | None = None, data: DataLike | None = None, task: Any = None, *,
-        config: str | Path | None = None, overrides: Mapping[str, Any] | None = None, engine: str | None = None,
-        **settings: Any) -> dict[str, Any]:
+        callbacks: Sequence[Any] = (), config: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
+        engine: str | None = None, **settings: Any) -> dict[str, Any]:
     """Trains on every rank as `hvdtrain fit` does and returns the summary (also in summary.json).
 
     model: a built-in name ('mlp', 'cnn'), a `package.module:function`, an `nn.Module`, or a function
@@ -50,6 +50,8 @@ def fit(model: ModelLike | None = None, data: DataLike | None = None, task: Any 
         arguments returning either.
     task: 'classification', 'regression', 'multilabel', 'language-model', a `package.module:attribute`,
         or your own object: a loss function loss(output, target), a loss module, or a task object.
+    callbacks: objects with any of on_fit_start, on_step_end, on_epoch_end, on_checkpoint, on_fit_end
+        (hvdtrain.train.callbacks), called on every rank; `state.stop(reason)` stops every rank together.
     config: a YAML file, as `--config`; overrides: config keys, as `--set` ({'data.num_workers': 2}).
     engine: 'auto' (default), 'horovod', 'torch' or 'local', as `--engine`.
     settings: fit's flags by name (epochs=3, batch_size=64, lr=0.1, run_dir='runs/a', resume='auto', ...).
@@ -60,7 +62,7 @@ def fit(model: ModelLike | None = None, data: DataLike | None = None, task: Any 
 
     early_signals.hold()  # as the command: a scheduler's signal while starting stops at the first step
     try:
-        cfg = fit_config(model, data, task, config, overrides, engine, settings)
+        cfg = fit_config(model, data, task, callbacks, config, overrides, engine, settings)
         started = start_engine(kind=cfg.train.engine, device=cfg.train.device, threads=cfg.train.threads,
                                stall_timeout=cfg.train.stall_timeout, keep_freed_memory=cfg.train.keep_freed_memory,
                                timeline=cfg.run.horovod_timeline)
@@ -75,13 +77,15 @@ def fit(model: ModelLike | None = None, data: DataLike | None = None, task: Any 
         early_signals.restore()
 
 
-def fit_config(model: Any, data: Any, task: Any, config: str | Path | None, overrides: Mapping[str, Any] | None,
-               engine: str | None, settings: dict[str, Any]) -> Config:
+def fit_config(model: Any, data: Any, task: Any, callbacks: Sequence[Any], config: str | Path | None,
+               overrides: Mapping[str, Any] | None, engine: str | None, settings: dict[str, Any]) -> Config:
     """The Config that `fit` runs: objects become this module's factories, the rest as the command's."""
-    for name in ("model", "data", "task"):
+    for name in ("model", "data", "task", "callback"):
         if name in settings:
-            raise UserError(f"{name} is fit's own argument here, not a setting")
-    named = {"model": _model(model), "data": _data(data), "task": _task(task)}
+            raise UserError(f"{name} is fit's own argument here, not a setting"
+                            + (": callbacks=[...]" if name == "callback" else ""))
+    named = {"model": _model(model), "data": _data(data), "task": _task(task),
+             "callback": [_keep(f"callback_{number}", callback) for number, callback in enumerate(callbacks)]}
     return settings_config(config, dict(overrides or {}), {**settings, **named}, engine)
 
 

@@ -74,3 +74,19 @@ def test_evaluating_a_run_of_objects_from_the_command_says_why_it_cannot(tmp_pat
     assert done.returncode == 2 and done.stderr.strip() == (
         "hvdtrain: error: the model of this run was a Python object given to hvdtrain.fit: it cannot be rebuilt "
         "here; give it again from Python, or use a package.module:function")
+
+
+def test_callback_objects_are_called_and_can_stop_the_run(tmp_path):
+    class StopAfterTwo:
+        def __init__(self):
+            self.epochs = []
+
+        def on_epoch_end(self, state):
+            self.epochs.append(state.epoch)
+            if state.epoch == 2:
+                state.stop("two are enough")
+
+    callback = StopAfterTwo()
+    summary = hvdtrain.fit(data=_blobs(), model="user_code:tiny_net", epochs=5, batch_size=16, callbacks=[callback],
+                           run_dir=str(tmp_path / "run"), progress="off", engine="local")
+    assert callback.epochs == [1, 2] and summary["stopped"] == "two are enough" and summary["epochs"] == 2

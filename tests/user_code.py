@@ -576,3 +576,57 @@ class _SlowToRead(Dataset):
 
 def slow_to_read():
     return _SlowToRead()
+
+
+def val_disagrees():
+    """Validation labels are the opposite of the training rule: the validation loss rises from the first
+    epoch on, the same way every time (for early stopping)."""
+    from torch.utils.data import TensorDataset
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 4, generator=generator)
+    y = (x[:, 0] > 0).long()
+    return TensorDataset(x[:320], y[:320]), TensorDataset(x[320:], 1 - y[320:])
+
+
+class Recorder:
+    """A callback that writes each call it gets, with the state it saw, to $HVDTRAIN_TEST_RECORD.<rank>."""
+
+    def _record(self, hook, state, **extra):
+        import json
+        import os
+
+        line = {"hook": hook, "epoch": state.epoch, "step": state.step, "metrics": sorted(state.metrics),
+                "rank": state.rank, "local_rank": state.local_rank, "world_size": state.world_size,
+                "run_dir": str(state.run_dir), "model": type(state.model).__name__, **extra}
+        with open(f"{os.environ['HVDTRAIN_TEST_RECORD']}.{state.rank}", "a") as out:
+            out.write(json.dumps(line) + "\n")
+
+    def on_fit_start(self, state):
+        self._record("on_fit_start", state)
+
+    def on_step_end(self, state):
+        self._record("on_step_end", state)
+
+    def on_epoch_end(self, state):
+        self._record("on_epoch_end", state, val_loss=state.metrics["val_loss"])
+
+    def on_checkpoint(self, state, path):
+        self._record("on_checkpoint", state, path=str(path))
+
+    def on_fit_end(self, state, summary):
+        self._record("on_fit_end", state, stopped=summary.get("stopped"))
+
+
+class StopOnRankOne(Recorder):
+    """Records, and on rank 1 alone asks to stop after optimizer step 5."""
+
+    def on_step_end(self, state):
+        super().on_step_end(state)
+        if state.rank == 1 and state.step == 5:
+            state.stop("rank one had seen enough")
+
+
+class NoHooks:
+    def on_epoch_start(self, state):  # not a hook hvdtrain knows
+        pass

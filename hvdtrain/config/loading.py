@@ -28,6 +28,7 @@ FIT_SETTINGS = {
     "stop_signals": "run.stop_signals",
     "overwrite": "run.overwrite", "progress": "run.progress", "elastic": "train.elastic",
     "log_every": "run.log_every", "tensorboard": "run.tensorboard", "horovod_timeline": "run.horovod_timeline",
+    "callback": "train.callbacks", "early_stopping_patience": "train.early_stopping_patience",
 }
 
 
@@ -60,6 +61,8 @@ def settings_config(path: str | Path | None, overrides: dict[str, Any], settings
     overrides = dict(overrides)
     if settings.get("resume") == "always":  # plain --resume
         settings = {**settings, "resume": True}
+    if isinstance(settings.get("callback"), (list, tuple)):  # --callback is repeatable
+        settings = {**settings, "callback": ",".join(settings["callback"]) or None}
     overrides.update({FIT_SETTINGS[name]: value for name, value in settings.items() if value is not None})
     if engine is not None:
         overrides["train.engine"] = engine

@@ -21,6 +21,7 @@ from hvdtrain.io.checkpoint import CheckpointStore
 from hvdtrain.io.event_log import EventLog
 from hvdtrain.io.progress import EpochProgress, epoch_line, say
 from hvdtrain.io.run_dir import RunFiles
+from hvdtrain.train.callbacks import Callbacks, StoppedEarly
 from hvdtrain.train.loop import EpochSums, evaluate, train_epoch
 from hvdtrain.train.preemption import StepCheck, rng_state, set_rng_state
 from hvdtrain.train.running_stats import share_running_stats
@@ -56,11 +57,11 @@ def open_run_files(config: Config, engine: Engine, run: Run, run_dir: Path, star
 def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, totals: Totals,
               files: RunFiles | None, store: CheckpointStore, stream: Any, *, start: int = 0,
               after_step: Callable[[int], None] | None = None, check: StepCheck | None = None,
-              resumed: Start | None = None) -> int:
+              resumed: Start | None = None, callbacks: Callbacks | None = None) -> int:
     """Trains one epoch (from global position `start`), evaluates, and on rank 0 records it
     and checkpoints. Returns the next step number. `check` decides after each step whether to
     checkpoint inside the epoch and whether to stop; `resumed`: the mid-epoch checkpoint this
-    epoch goes on from (its sums and random states)."""
+    epoch goes on from (its sums and random states); `callbacks`: the user's, called on every rank."""
     sums = EpochSums()
     if resumed is not None:
         if engine.is_root:  # dist: the reduced sums once, on one rank
@@ -89,15 +90,22 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
             files.log_steps(done, logged)
         if after_step is not None:
             after_step(done)
+        if callbacks is not None and callbacks.on_steps:
+            callbacks.call("on_step_end", epoch, done, {"train_loss": float(loss)})
         if check is not None:
             write, stop = check(done, last_of_epoch=done - first_step == steps)
             if write:
                 at = start + (done - first_step) * per_step
                 _mid_epoch_checkpoint(run, config, engine, store, epoch, done, at, sums)
+                if callbacks:
+                    callbacks.call("on_checkpoint", epoch, done, None, store.dir / "last.pt")
             if stop is not None:
                 progress.close()
                 raise StoppedBySignal(f"stopped by {stop} at epoch {epoch}, step {done:,}: checkpoint written; "
                                       "continue with --resume")
+            if check.callback_stop:  # dist: every rank learnt it in the same check, at this step
+                progress.close()
+                raise StoppedEarly(callbacks.reason())
 
     engine.at(f"epoch {epoch}, training from step {step}")
     epoch_start = time.perf_counter()
@@ -138,9 +146,13 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
                        config.run.checkpoint_timeout)
         if check is not None:
             check.saved()  # the minutes until a timed checkpoint count from this one
+        if callbacks:
+            callbacks.call("on_checkpoint", epoch, step, None, store.dir / "last.pt")
 
     if saved:
         save()
+    if callbacks:
+        callbacks.call("on_epoch_end", epoch, step, totals.record)
     # dist: a signal during evaluation or the checkpoint write stops every rank here, not a step later.
     stop = check.at_epoch_end() if check is not None and epoch < epochs else None
     if stop is not None:
@@ -148,6 +160,11 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
             save()
         raise StoppedBySignal(f"stopped by {stop} at the end of epoch {epoch}, step {step:,}: checkpoint written; "
                               "continue with --resume")
+    reason = callbacks.agree() if callbacks and epoch < epochs else None  # dist: one answer for every rank
+    if reason is not None:
+        if not saved:
+            save()
+        raise StoppedEarly(reason)
     return step
 
 
@@ -239,7 +256,7 @@ class _Writer:
 def _located(err: Exception, engine: Engine, position: str) -> Exception:
     """The user's code failed mid-run on this rank (a Dataset, the model, the task): one line
     naming the rank, where in the run, and where in their code. Other failures pass as they are."""
-    if isinstance(err, (UserError, RankFailed, StoppedBySignal)) or engine.is_engine_signal(err):
+    if isinstance(err, (UserError, RankFailed, StoppedBySignal, StoppedEarly, FailedAt)) or engine.is_engine_signal(err):
         return err
     located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message_lines(err)}{where(err)}; "
                        "every rank stops (--debug shows the traceback)")
@@ -248,10 +265,11 @@ def _located(err: Exception, engine: Engine, position: str) -> Exception:
 
 
 def finish(config: Config, engine: Engine, run: Run, run_dir: Path, totals: Totals,
-           files: RunFiles | None) -> dict[str, Any]:
-    """The run's summary; rank 0 writes summary.json and says how it ended."""
+           files: RunFiles | None, stopped: str | None = None) -> dict[str, Any]:
+    """The run's summary; rank 0 writes summary.json and says how it ended. `stopped`: why every
+    rank stopped before the last epoch (a callback, early stopping)."""
     record = totals.record or {}
-    epochs = config.train.epochs
+    epochs = record.get("epoch", config.train.epochs) if stopped else config.train.epochs
     key, higher = run.best
     summary = {
         "world_size": engine.size, "epochs": epochs, "steps": record.get("step"), "task": run.task.name,
@@ -262,11 +280,15 @@ def finish(config: Config, engine: Engine, run: Run, run_dir: Path, totals: Tota
         "engine": engine.name, "controller": engine.controller, "device": str(engine.device),
         "resumed_from_epoch": totals.start_epoch or None,
     }
+    if stopped:
+        summary.update(stopped=stopped, planned_epochs=config.train.epochs)
     if files is not None:
         best = files.best_record(key, higher)  # over every epoch recorded, a resumed run's too
         summary.update(best_value=best.get(key), best_epoch=best.get("epoch"))
         files.write_summary(summary)
         files.close()
+        if stopped:
+            say(f"hvdtrain: stopped: {stopped}")
         if record:
             best_text = f" (best {best[key]:.4f} at epoch {best['epoch']})" if best else ""
             say(f"hvdtrain: done: {key} {record[key]:.4f} after {epochs} epochs{best_text}; "

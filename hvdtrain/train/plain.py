@@ -16,9 +16,11 @@ from hvdtrain.engine import Engine
 from hvdtrain.io.checkpoint import CheckpointStore
 from hvdtrain.io.progress import bar_stream
 from hvdtrain.io.run_dir import TIMELINE
+from hvdtrain.train.callbacks import StoppedEarly, build_callbacks
 from hvdtrain.train.epoch import Totals, finish, open_run_files, run_epoch
 from hvdtrain.train.preemption import StopSignals, StepCheck
-from hvdtrain.train.setup import build, check_same_data, check_task, keep_learning_rate, shard, start_on_root
+from hvdtrain.train.setup import (build, check_same_data, check_task, keep_learning_rate, shard, start_on_root,
+                                  unwrapped)
 
 
 def fit_plain(config: Config, engine: Engine, started: float) -> dict[str, Any]:
@@ -36,6 +38,8 @@ def _fit(config: Config, engine: Engine, started: float, signals: StopSignals) -
         run = build(config, engine)
         shard(run, config, engine)
         check_task(run, config, engine)
+        callbacks = build_callbacks(config.train.callbacks, run.best, config.train.early_stopping_patience,
+                                    config.train.early_stopping_min_delta)
     with engine.agree("data"):
         check_same_data(engine, run)
     with engine.agree("resume"):
@@ -60,16 +64,25 @@ def _fit(config: Config, engine: Engine, started: float, signals: StopSignals) -
     stream = bar_stream(config.run.progress) if engine.is_root else None  # dist: rank 0 only
     if config.run.horovod_timeline:
         engine.start_timeline(run_dir / TIMELINE)
-    check = StepCheck(config.run, engine, signals)
+    check = StepCheck(config.run, engine, signals, callbacks)
+    callbacks.bind(engine, unwrapped(run.model), run_dir)
+    stopped = None
     try:
+        callbacks.call("on_fit_start", start.epoch, step)
         for epoch in range(start.epoch + 1, config.train.epochs + 1):
             resumed = start if epoch == start.epoch + 1 and start.position else None
             step = run_epoch(run, config, engine, epoch, step, totals, files, store, stream,
-                             start=resumed.position if resumed else 0, check=check, resumed=resumed)
+                             start=resumed.position if resumed else 0, check=check, resumed=resumed,
+                             callbacks=callbacks)
+    except StoppedEarly as early:  # every rank, at the same step: an orderly end
+        stopped = early.reason
     except BaseException:
         if files is not None:  # a stop or a failure: TensorBoard's last events are written too
             files.close()
         raise
     if config.run.horovod_timeline:
         engine.stop_timeline()
-    return finish(config, engine, run, run_dir, totals, files)
+    summary = finish(config, engine, run, run_dir, totals, files, stopped)
+    record = totals.record or {}
+    callbacks.call("on_fit_end", record.get("epoch", start.epoch), record.get("step", step), record, summary)
+    return summary

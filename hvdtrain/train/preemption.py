@@ -74,13 +74,16 @@ class StepCheck:
 
     MAX_INTERVAL = 1000
 
-    def __init__(self, cfg: RunConfig, engine: Engine, signals: StopSignals | None):
+    def __init__(self, cfg: RunConfig, engine: Engine, signals: StopSignals | None, callbacks: Any = None):
         self.every_steps = cfg.checkpoint_every_steps
         self.every_seconds = cfg.checkpoint_every_minutes * 60 if cfg.checkpoint_every_minutes else None
         self.check_seconds = cfg.stop_check_seconds
-        self.engine, self.signals = engine, signals
+        self.engine, self.signals, self.callbacks = engine, signals, callbacks
         self.last_checkpoint = time.monotonic()
-        self.agree = bool(signals and signals.numbers) or self.every_seconds is not None
+        self.agree = (bool(signals and signals.numbers) or self.every_seconds is not None
+                      or bool(callbacks and callbacks.on_steps))
+        self.callback_stop = False
+        """Set at a check where a callback on some rank asked to stop: every rank stops at that step."""
         self.next_check, self.interval = 0, 1
         self.last_check: tuple[int, float] | None = None  # (step, time) of the previous check
 
@@ -91,6 +94,7 @@ class StepCheck:
         if self.agree and step >= self.next_check:
             numbers = self.signals.numbers if self.signals else []
             noted = [float(self.signals is not None and self.signals.received == n) for n in numbers]
+            noted.append(float(self.callbacks is not None and self.callbacks.requested is not None))
             now = time.monotonic()
             timed = (self.every_seconds is not None and self.engine.is_root
                      and now - self.last_checkpoint >= self.every_seconds and not last_of_epoch)
@@ -99,7 +103,8 @@ class StepCheck:
                                                            dtype=torch.float64),
                                               "stop_check").tolist()  # dist: what any rank noted, all learn
             stop = next((signal.Signals(n).name for n, count in zip(numbers, flags) if count > 0), None)
-            due = due or flags[-2] > 0
+            self.callback_stop = stop is None and flags[len(numbers)] > 0
+            due = due or flags[-2] > 0 or self.callback_stop
             self.interval = int(flags[-1])  # dist: rank 0's, the same on every rank
             self.next_check = step + self.interval
         if due or stop:

@@ -1,0 +1,169 @@
+"""Callbacks: the user's code at fixed points of `fit`, on every rank, and a stop that every rank
+takes together.
+
+    horovodrun -np 2 hvdtrain fit --callback mymodule:MyCallback --early-stopping-patience 3
+    hvdtrain.fit(..., callbacks=[MyCallback()], early_stopping_patience=3)
+
+A callback is any object with some of these methods, each given a read-only `FitState`:
+
+    on_fit_start(state)             the ranks have set up and hold rank 0's weights
+    on_step_end(state)              after each optimizer step; state.metrics: this rank's train_loss
+    on_epoch_end(state)             after validation; state.metrics: the epoch's record (reduced)
+    on_checkpoint(state, path)      after a checkpoint is written (path: on rank 0's file system)
+    on_fit_end(state, summary)      the summary, as returned by fit
+
+`state.stop(reason)` on any one rank stops every rank at the same optimizer step (at the next stop
+check, or at the epoch's end when asked from on_epoch_end), with a checkpoint there; the summary
+says why (`stopped`), and `--resume` can continue the run later.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from hvdtrain.errors import FailedAt, UserError, message_lines, where
+from hvdtrain.factory import resolve_factory
+
+HOOKS = ("on_fit_start", "on_step_end", "on_epoch_end", "on_checkpoint", "on_fit_end")
+
+
+class StoppedEarly(Exception):
+    """Every rank stopped together because a callback (or early stopping) asked: not an error."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class FitState:
+    """What a callback sees of the run: read-only, the same fields on every rank."""
+
+    epoch: int
+    """The epoch under way, or just ended (on_epoch_end); the last one done at on_fit_start."""
+    step: int
+    """Optimizer steps done, counted in steps of the current global batch."""
+    metrics: Mapping[str, Any]
+    """on_epoch_end and on_fit_end: the epoch's record (validation metrics reduced over ranks);
+    on_step_end: this rank's train_loss of that step; otherwise empty."""
+    model: nn.Module
+    run_dir: Path
+    rank: int
+    local_rank: int
+    world_size: int
+    _stop: Callable[[str], None] = field(repr=False, compare=False)
+
+    def stop(self, reason: str) -> None:
+        """Asks every rank to stop together; the reason goes into the summary."""
+        self._stop(reason)
+
+
+class Callbacks:
+    """The run's callbacks, called in the order given, and the stop one of them asked for."""
+
+    def __init__(self, callbacks: list[Any]):
+        self.callbacks = callbacks
+        self.requested: str | None = None
+        self.on_steps = any(hasattr(c, "on_step_end") for c in callbacks)
+        self.engine: Any = None
+        self.model: nn.Module | None = None
+        self.run_dir = Path()
+
+    def __bool__(self) -> bool:
+        return bool(self.callbacks)
+
+    def bind(self, engine: Any, model: nn.Module, run_dir: Path) -> "Callbacks":
+        """The run's engine, model and directory, once every rank has set up."""
+        self.engine, self.model, self.run_dir = engine, model, run_dir
+        return self
+
+    def call(self, hook: str, epoch: int, step: int, metrics: Mapping[str, Any] | None = None, *args: Any) -> None:
+        engine = self.engine
+        state = FitState(epoch, step, MappingProxyType(dict(metrics or {})), self.model, self.run_dir, engine.rank,
+                         engine.local_rank, engine.size, self._request)
+        for callback in self.callbacks:
+            method = getattr(callback, hook, None)
+            if method is None:
+                continue
+            try:
+                method(state, *args)
+            except Exception as err:  # dist: only this rank knows: it says so itself, every rank stops
+                failed = FailedAt(f"rank {engine.rank} failed at epoch {epoch}, step {step}: callback "
+                                  f"{_name(callback)}.{hook} raised {type(err).__name__}: {message_lines(err)}"
+                                  f"{where(err)}; every rank stops (--debug shows the traceback)")
+                raise failed from err
+
+    def agree(self) -> str | None:
+        """dist: whether any rank's callback asked to stop, and why; every rank gets the same answer."""
+        asked = self.engine.allreduce_sum(torch.tensor([float(self.requested is not None)]), "callback_stop")
+        return self.reason() if float(asked[0]) > 0 else None
+
+    def reason(self) -> str:
+        """dist: once the ranks agreed to stop: the first asking rank's reason, on every rank."""
+        reasons = self.engine.allgather_object(self.requested, "callback_stop_reason")
+        return next(f"{reason} (rank {rank})" if len(reasons) > 1 else reason
+                    for rank, reason in enumerate(reasons) if reason is not None)
+
+    def _request(self, reason: str) -> None:
+        if self.requested is None:
+            self.requested = str(reason)
+
+
+class EarlyStopping:
+    """Stops when the best metric has not improved for `patience` epochs in a row (by more than
+    `min_delta`). Validation metrics are reduced over ranks, so every rank decides alike."""
+
+    def __init__(self, key: str, higher: bool, patience: int, min_delta: float = 0.0):
+        self.key, self.higher, self.patience, self.min_delta = key, higher, patience, min_delta
+        self.best: float | None = None
+        self.best_epoch = 0
+
+    def on_epoch_end(self, state: FitState) -> None:
+        value = state.metrics.get(self.key)
+        if value is None or not math.isfinite(value):
+            return
+        better = self.best is None or (value > self.best + self.min_delta if self.higher
+                                       else value < self.best - self.min_delta)
+        if better:
+            self.best, self.best_epoch = value, state.epoch
+        elif state.epoch - self.best_epoch >= self.patience:
+            state.stop(f"early stopping: {self.key} has not improved for {self.patience} epochs "
+                       f"(best {self.best:.4f} at epoch {self.best_epoch})")
+
+
+def build_callbacks(names: str, best: tuple[str, bool], patience: int | None, min_delta: float) -> Callbacks:
+    """The callbacks named (`package.module:Class`, or an object there; comma-separated), then early stopping."""
+    made = [_made(name.strip()) for name in names.split(",") if name.strip()]
+    if patience is not None:
+        made.append(EarlyStopping(best[0], best[1], patience, min_delta))
+    return Callbacks(made)
+
+
+def _made(path: str) -> Any:
+    found = resolve_factory(path, "callback", require_callable=False)
+    if inspect.isclass(found) or (inspect.isfunction(found) and not _has_hook(found)):
+        try:
+            found = found()
+        except Exception as err:
+            raise UserError(f"callback '{path}': making it raised {type(err).__name__}: {err} (it is called with no "
+                            "arguments)") from err
+    if not _has_hook(found):
+        raise UserError(f"callback '{path}' has none of the methods {', '.join(HOOKS)}: define at least one "
+                        "(each takes the state; see README, Callbacks)")
+    return found
+
+
+def _has_hook(thing: Any) -> bool:
+    return any(callable(getattr(thing, hook, None)) for hook in HOOKS)
+
+
+def _name(callback: Any) -> str:
+    return type(callback).__name__
