@@ -26,7 +26,7 @@ def test_yaml_then_overrides(tmp_path):
         ({"trian.epochs": 3}, "config key 'trian' does not exist: did you mean 'train'?"),
         ({"data.batch_size": "many"}, "config key 'data.batch_size' must be an integer, got 'many'"),
         ({"data.batch_size": 0}, "config key 'data.batch_size' must be at least 1, got 0"),
-        ({"optim.name": "lamb"}, "config key 'optim.name' must be one of sgd, adamw; got 'lamb'"),
+        ({"optim.name": "lamb"}, "config key 'optim.name' must be sgd, adamw or package.module:function, got 'lamb'"),
         ({"optim.scale_lr": "maybe"}, "config key 'optim.scale_lr' must be true or false"),
         ({"optim.lr": -1}, "config key 'optim.lr' must be positive"),
         ({"run.resume": True, "run.overwrite": True}, "exclude each other"),

@@ -630,3 +630,14 @@ class StopOnRankOne(Recorder):
 class NoHooks:
     def on_epoch_start(self, state):  # not a hook hvdtrain knows
         pass
+
+
+def two_groups(model, lr):
+    """A user's optimizer: the last layer at a tenth of the lr of the rest."""
+    head = list(model.parameters())[-2:]
+    body = [p for p in model.parameters() if all(p is not h for h in head)]
+    return torch.optim.SGD([{"params": body, "lr": lr}, {"params": head, "lr": lr / 10}], lr=lr, momentum=0.9)
+
+
+def not_an_optimizer(model):
+    return [model]

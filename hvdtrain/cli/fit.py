@@ -30,9 +30,12 @@ _FIT_OPTIONS = [
     click.option("--batch-size", type=int, help="Per process. dist: global batch = this x world size."),
     click.option("--lr", type=float, help="For one process's batch (optim.lr_batch); scaled by the global batch "
                                           "unless --no-scale-lr."),
-    click.option("--optimizer", type=click.Choice(["sgd", "adamw"])),
+    click.option("--optimizer", metavar="sgd|adamw|MODULE:FUNCTION",
+                 help="sgd, adamw, or your own factory (given the model and lr, returning an optimizer)."),
     click.option("--scale-lr/--no-scale-lr", default=None, help="Scale lr by the global batch (default on)."),
     click.option("--warmup-epochs", type=float, help="Linear lr warmup length."),
+    click.option("--schedule", type=click.Choice(["constant", "cosine", "linear", "step", "onecycle"]),
+                 help="Learning-rate schedule after the warm-up (default constant)."),
     click.option("--clip-grad-norm", type=float, help="Clip the allreduced gradient norm."),
     click.option("--accumulate", type=int, help="Backward passes per optimizer step."),
     click.option("--compression", type=click.Choice(["none", "fp16"]), help="Gradient compression for the allreduce."),

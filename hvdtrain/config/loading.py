@@ -19,7 +19,7 @@ from hvdtrain.errors import UserError
 FIT_SETTINGS = {
     "data": "data.name", "batch_size": "data.batch_size", "model": "model.name", "task": "task.name",
     "optimizer": "optim.name", "lr": "optim.lr", "scale_lr": "optim.scale_lr",
-    "warmup_epochs": "optim.warmup_epochs", "clip_grad_norm": "optim.clip_grad_norm",
+    "warmup_epochs": "optim.warmup_epochs", "schedule": "optim.schedule", "clip_grad_norm": "optim.clip_grad_norm",
     "epochs": "train.epochs", "seed": "train.seed", "accumulate": "train.accumulate",
     "compression": "train.compression", "adasum": "train.adasum", "device": "train.device",
     "threads": "train.threads", "precision": "train.precision", "channels_last": "train.channels_last",

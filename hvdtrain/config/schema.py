@@ -120,8 +120,9 @@ class TaskConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["sgd", "adamw"] = "sgd"
-    """Optimizer."""
+    name: str = "sgd"
+    """`sgd`, `adamw` (no weight decay on parameters of fewer than 2 dimensions: biases, norm scales),
+    or `package.module:function` given the model and lr (each group's lr keeps its ratio to `lr`)."""
     lr: float = 0.05
     """Learning rate for a global batch of `lr_batch` samples. dist: with scale_lr, multiplied by
     global batch / lr_batch."""
@@ -136,18 +137,28 @@ class OptimConfig:
     """dist: scale lr linearly with the global batch (Goyal et al., 2017)."""
     warmup_epochs: float = 1.0
     """dist: epochs over which lr ramps linearly from `lr` to the scaled lr (0 to switch off)."""
-    schedule: Literal["constant", "cosine"] = "constant"
-    """Learning-rate schedule after warmup."""
+    schedule: Literal["constant", "cosine", "linear", "step", "onecycle"] = "constant"
+    """Learning-rate schedule over the steps after the warm-up, as a fraction of the scaled lr:
+    `constant`; `cosine` to 0; `linear` to 0; `step`: times step_gamma every step_every_epochs;
+    `onecycle`: a cosine rise from 1/25 over the first 30%, then a cosine fall to 1/250000."""
+    step_every_epochs: float = 30.0
+    """`step` schedule: epochs (after the warm-up) between two decays of the lr."""
+    step_gamma: float = 0.1
+    """`step` schedule: the factor of each decay."""
     clip_grad_norm: Optional[float] = None
     """Clip the global gradient norm to this value, after the allreduce (None: no clipping)."""
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "optim.lr", f"must be positive, got {self.lr}")
+        _require(self.name in ("sgd", "adamw") or ":" in self.name, "optim.name",
+                 f"must be sgd, adamw or package.module:function, got '{self.name}'")
         if self.lr_batch is not None:
             _require(self.lr_batch > 0, "optim.lr_batch", f"must be positive, got {self.lr_batch}")
         _require(0 <= self.momentum < 1, "optim.momentum", f"must be in [0, 1), got {self.momentum}")
         _require(self.weight_decay >= 0, "optim.weight_decay", f"must be 0 or more, got {self.weight_decay}")
         _require(self.warmup_epochs >= 0, "optim.warmup_epochs", f"must be 0 or more, got {self.warmup_epochs}")
+        _require(self.step_every_epochs > 0, "optim.step_every_epochs", f"must be positive, got {self.step_every_epochs}")
+        _require(0 < self.step_gamma <= 1, "optim.step_gamma", f"must be in (0, 1], got {self.step_gamma}")
         if self.clip_grad_norm is not None:
             _require(self.clip_grad_norm > 0, "optim.clip_grad_norm", f"must be positive, got {self.clip_grad_norm}")
 

@@ -112,5 +112,6 @@ def _lr_line(plan: dict[str, Any], lr: dict[str, Any]) -> str:
                   f"{lr['lr_batch']}) = {lr['peak']:g}")
     warmup = (f", reached after a linear warm-up over {lr['warmup_steps']} steps starting at {lr['first_step']:g}"
               if lr["warmup_steps"] else "")
-    after = "then constant" if lr["schedule"] == "constant" else f"then cosine to {lr['last_step']:.3g} at the last step"
+    after = "then constant" if lr["schedule"] == "constant" else \
+        f"then {lr['schedule']} to {lr['last_step']:.3g} at the last step"
     return f"learning rate: {scaled}{warmup}; {after}"

@@ -109,8 +109,8 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engi
     window_samples = 0
     for index, batch in enumerate(batches):
         if index % accumulate == 0:  # before the forward: Adasum steps inside backward
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step)
+            for group in optimizer.param_groups:  # a user's optimizer's groups keep their ratios
+                group["lr"] = learning_rate(step) * group.get("lr_ratio", 1.0)
         window_batches.append(batch)  # as loaded (on the host): only a failing step looks at it
         batch = to_device(batch, device, channels_last)
         size = batch_size(batch)

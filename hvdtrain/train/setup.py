@@ -20,6 +20,7 @@ from hvdtrain.data.sampler import EvalShardSampler, ShardedBatchSampler
 from hvdtrain.data.sources import DataSplit, build_data
 from hvdtrain.engine import Engine, GradientSync
 from hvdtrain.errors import UserError, message_lines
+from hvdtrain.factory import call_factory
 from hvdtrain.io.checkpoint import CheckpointStore
 from hvdtrain.io.event_log import StepLog
 from hvdtrain.io.progress import say
@@ -148,7 +149,20 @@ def _make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
     cfg = config.optim
     if cfg.name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.name == "adamw":
+        # Decay the weights of matrices and kernels only: biases and norm scales (fewer than 2
+        # dimensions) are not decayed, as in BERT's and GPT's recipes.
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
+    made = call_factory(cfg.name, "optimizer", {"model": model, "lr": cfg.lr})
+    if not isinstance(made, torch.optim.Optimizer):
+        raise UserError(f"optimizer factory '{cfg.name}' returned {type(made).__name__}: return a "
+                        "torch.optim.Optimizer over the model's parameters")
+    for group in made.param_groups:  # each group follows the schedule at its own ratio to optim.lr
+        group.setdefault("lr_ratio", group["lr"] / cfg.lr)
+    return made
 
 
 def start_on_root(config: Config, engine: Engine, run: Run) -> Start:
