@@ -4,12 +4,14 @@
     horovodrun -np 4 python train.py                     # a script calling hvdtrain.fit
 
 From Python: `hvdtrain.fit(model=..., data=..., task=..., epochs=..., ...)` takes objects as well as
-everything the command takes, and returns the summary; see README.md, "From Python".
+everything the command takes, and returns the summary; `hvdtrain.launch(fn_or_settings, np=4)` starts
+the processes itself (a notebook); see README.md, "From Python".
 """
 
 from hvdtrain.api import fit
 from hvdtrain.config import Config
 from hvdtrain.errors import UserError
+from hvdtrain.local_launch import LaunchFailed, launch
 
-__all__ = ["Config", "UserError", "__version__", "fit"]
+__all__ = ["Config", "LaunchFailed", "UserError", "__version__", "fit", "launch"]
 __version__ = "0.1.0"

@@ -10,10 +10,11 @@ import torch
 from torch.utils.data import TensorDataset
 
 import hvdtrain
-from conftest import LAUNCHERS, ROOT, assert_same_weights, final_weights, fit_under, python_under, requires_launchers, run
+from conftest import ROOT, assert_same_weights, final_weights, fit_under, python_under, requires_launchers, run
 from hvdtrain import UserError
 
 SCRIPT = ROOT / "tests" / "workers" / "api_script.py"
+LAUNCH = ROOT / "tests" / "workers" / "api_launch.py"
 # The script's pieces as the command names them (tests/user_code.py).
 AS_FACTORIES = ["--data", "user_code:blobs_split", "--model", "user_code:tiny_net", "--task", "torch.nn:CrossEntropyLoss",
                 "--epochs", "3", "--batch-size", "16", "--set", "optim.momentum=0.5"]
@@ -37,6 +38,30 @@ def test_a_script_with_objects_ends_with_the_command_s_weights(launcher, command
     for rank in (0, 1):
         assert f"rank {rank} summary epochs 3 world size 2" in done.stdout, done.stdout[-2000:]
     assert_same_weights(final_weights(command_run), final_weights(tmp_path / "run"), atol=1e-6)
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+@pytest.mark.parametrize("engine", ["horovod", "torch"])
+def test_launch_from_a_plain_process_trains_as_the_command_and_names_a_failing_rank(engine, command_run, tmp_path):
+    """hvdtrain.launch(np=2) from `python`, not under a launcher: the script's training as a function ends
+    with the command's weights, rank 0's summary comes back; a rank that fails is named in the exception."""
+    done = run([sys.executable, str(LAUNCH), engine, str(tmp_path / "run")], cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert f'summary: {{"world_size": 2, "engine": "{engine}"}}' in done.stdout
+    assert_same_weights(final_weights(command_run), final_weights(tmp_path / "run"), atol=1e-6)
+    failed = run([sys.executable, str(LAUNCH), engine, "fail"], cwd=tmp_path, timeout=120)
+    assert failed.returncode == 0, failed.stdout[-2000:] + failed.stderr[-3000:]
+    assert "caught: rank=1 rank 1 failed: ValueError: rank one's shard is corrupt" in failed.stdout
+
+
+def test_launch_refuses_what_it_cannot_run():
+    with pytest.raises(UserError, match="engine must be one of horovod, torch, got 'mpi'"):
+        hvdtrain.launch(print, np=2, engine="mpi")
+    with pytest.raises(UserError, match="np must be a whole number of processes, at least 1, got 0"):
+        hvdtrain.launch(print, np=0)
+    with pytest.raises(UserError, match="launch takes a function or fit's settings as a dict, got int"):
+        hvdtrain.launch(42)
 
 
 def test_one_process_script_equals_the_command_alone(tmp_path):

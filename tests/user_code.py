@@ -641,3 +641,28 @@ def two_groups(model, lr):
 
 def not_an_optimizer(model):
     return [model]
+
+
+def api_training(run_dir):
+    """tests/workers/api_script.py's training as a function, for hvdtrain.launch."""
+    import os
+
+    import hvdtrain
+
+    rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")))
+    data = blobs_split()
+    torch.manual_seed(0 if rank == 0 else 1234)
+    model = tiny_net((5,), 3)
+    return hvdtrain.fit(model=model, data=data, task=torch.nn.CrossEntropyLoss(), epochs=3, batch_size=16,
+                        run_dir=run_dir, progress="off", overrides={"optim.momentum": 0.5})
+
+
+def fails_on_rank_one():
+    import os
+
+    if os.environ.get("HOROVOD_RANK", os.environ.get("RANK")) == "1":
+        raise ValueError("rank one's shard is corrupt")
+    import time
+
+    time.sleep(30)  # rank 0 would go on: the launcher stops it once rank 1 failed
+    return "rank 0 finished"
