@@ -8,10 +8,10 @@ everything the command takes, and returns the summary; `hvdtrain.launch(fn_or_se
 the processes itself (a notebook); see README.md, "From Python".
 """
 
-from hvdtrain.api import fit
+from hvdtrain.api import evaluate, export, fit, predict
 from hvdtrain.config import Config
 from hvdtrain.errors import UserError
 from hvdtrain.local_launch import LaunchFailed, launch
 
-__all__ = ["Config", "LaunchFailed", "UserError", "__version__", "fit", "launch"]
+__all__ = ["Config", "LaunchFailed", "UserError", "__version__", "evaluate", "export", "fit", "launch", "predict"]
 __version__ = "0.1.0"

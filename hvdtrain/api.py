@@ -89,6 +89,86 @@ def fit_config(model: Any, data: Any, task: Any, callbacks: Sequence[Any], confi
     return settings_config(config, dict(overrides or {}), {**settings, **named}, engine)
 
 
+def evaluate(run_dir: str | Path, *, checkpoint: str = "best", data: DataLike | None = None, split: str | None = None,
+             model: ModelLike | None = None, task: Any = None, batch_size: int | None = None,
+             overrides: Mapping[str, Any] | None = None, device: str = "auto") -> dict[str, Any]:
+    """A checkpoint's metrics, as `hvdtrain evaluate` (sharded over the ranks, reduced): on the run's
+    validation data, or on `data` (all of it unless `split` says 'val' or 'train'). `model`, `data`
+    and `task` objects stand in for those of a run trained from objects, which the command cannot
+    rebuild; the model object is loaded with the checkpoint's weights."""
+    from hvdtrain.after.inference import evaluate_run
+
+    part = split or ("all" if data is not None else "val")
+    return _on_saved_run(run_dir, checkpoint, data, model, task, batch_size, overrides, device,
+                         lambda saved, engine: evaluate_run(saved, engine, part))
+
+
+def predict(run_dir: str | Path, *, checkpoint: str = "best", data: DataLike | None = None, split: str | None = None,
+            model: ModelLike | None = None, task: Any = None, batch_size: int | None = None, raw_outputs: bool = False,
+            overrides: Mapping[str, Any] | None = None, device: str = "auto") -> Any:
+    """One prediction per sample in the input's order, as `hvdtrain predict`: on rank 0 a tensor (a list
+    of per-batch tensors where their shapes differ), None on the other ranks."""
+    import torch
+
+    from hvdtrain.after.inference import predict_run
+
+    part = split or ("all" if data is not None else "val")
+    found = _on_saved_run(run_dir, checkpoint, data, model, task, batch_size, overrides, device,
+                          lambda saved, engine: predict_run(saved, engine, part, raw_outputs))
+    if found is None:
+        return None
+    try:
+        return torch.cat(found)
+    except RuntimeError:  # padded sequences: each batch its own length
+        return found
+
+
+def export(run_dir: str | Path, *, format: str = "safetensors", output: str | Path | None = None,
+           checkpoint: str = "best", data: DataLike | None = None, model: ModelLike | None = None,
+           overrides: Mapping[str, Any] | None = None, device: str = "auto") -> Path | None:
+    """The model as `hvdtrain export` writes it (safetensors, torchscript, pt2 or onnx), checked by
+    loading it back on a batch of the data; rank 0 writes and gets the path, the others None."""
+    from hvdtrain.after import export as exporting
+    from hvdtrain.after.inference import first_batch, part_of
+
+    if format not in exporting.FORMATS:
+        raise UserError(f"format must be one of {', '.join(exporting.FORMATS)}, got '{format}'")
+
+    def work(saved: Any, engine: Any) -> Path | None:
+        with engine.agree("export"):  # dist: rank 0 writes; a failure there stops every rank
+            if not engine.is_root:
+                return None
+            dataset, collate = part_of(saved, "all" if data is not None else "val", need_targets=False)
+            batch = first_batch(dataset, saved.config.data.batch_size, collate, engine)
+            path = Path(output) if output else exporting.default_path(saved, format)
+            return exporting.export(saved, format, path, batch).path
+
+    return _on_saved_run(run_dir, checkpoint, data, model, None, None, overrides, device, work)
+
+
+def _on_saved_run(run_dir: str | Path, checkpoint: str, data: Any, model: Any, task: Any, batch_size: int | None,
+                  overrides: Mapping[str, Any] | None, device: str, work: Callable[[Any, Any], Any]) -> Any:
+    """Opens the run on a started engine (every rank), runs `work(saved, engine)`, shuts down."""
+    from hvdtrain.after.saved_run import open_run
+    from hvdtrain.engine import start_engine
+
+    settings = dict(overrides or {})
+    for key, value in (("data.name", _data(data)), ("model.name", _model(model)), ("task.name", _task(task)),
+                       ("data.batch_size", batch_size)):
+        if value is not None:
+            settings[key] = value
+    settings.update({"train.device": device, "run.resume": False, "run.overwrite": False, "train.elastic": False,
+                     "train.compile": False})  # training only
+    engine = start_engine(device=device)
+    finished = False
+    try:
+        result = work(open_run(engine, run_dir, checkpoint, settings), engine)
+        finished = True
+        return result
+    finally:
+        engine.shutdown(finished)
+
+
 def _model(model: Any) -> str | None:
     import torch
 
@@ -133,4 +213,4 @@ def _keep(name: str, value: Any) -> str:
     return f"{GIVEN}{name}"
 
 
-__all__ = ["FIT_SETTINGS", "fit"]
+__all__ = ["FIT_SETTINGS", "evaluate", "export", "fit", "predict"]

@@ -11,7 +11,7 @@ from torch import nn
 
 from hvdtrain.config import ModelConfig
 from hvdtrain.errors import UserError
-from hvdtrain.factory import call_factory, is_factory_path
+from hvdtrain.factory import call_factory, is_factory_path, resolve_factory
 
 BUILT_IN = ("mlp", "cnn")
 
@@ -59,6 +59,9 @@ def build_model(cfg: ModelConfig, input_shape: tuple[int, ...] | None, num_class
                             "inputs use a model factory (package.module:function)")
         return mlp(input_shape, num_outputs, cfg.hidden) if cfg.name == "mlp" else cnn(input_shape, num_outputs, cfg.hidden)
     if is_factory_path(cfg.name):
+        if isinstance(resolve_factory(cfg.name, "model"), nn.Module):  # built once, at import, by every rank alike
+            raise UserError(f"model '{cfg.name}' is an nn.Module object, not a function that builds one: name a "
+                            "function (def model(): return Net()), or pass the object to hvdtrain.fit(model=...)")
         unknown_count = ("the data set does not say how many classes it has: set data.num_classes "
                          "(--set data.num_classes=N), or give your Dataset a `classes` or `num_classes` attribute")
         made = call_factory(cfg.name, "model",

@@ -115,3 +115,30 @@ def test_callback_objects_are_called_and_can_stop_the_run(tmp_path):
     summary = hvdtrain.fit(data=_blobs(), model="user_code:tiny_net", epochs=5, batch_size=16, callbacks=[callback],
                            run_dir=str(tmp_path / "run"), progress="off", engine="local")
     assert callback.epochs == [1, 2] and summary["stopped"] == "two are enough" and summary["epochs"] == 2
+
+
+def test_evaluate_predict_and_export_take_the_run_s_objects_again(tmp_path):
+    """A run trained from objects is opened from Python with those objects: evaluate equals fit's last
+    record, predict gives one answer per sample in order, export loads back."""
+    train, val = _blobs(), _blobs()
+    net = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    summary = hvdtrain.fit(model=net, data=(train, val), epochs=2, batch_size=16, run_dir=str(tmp_path / "run"),
+                           progress="off", engine="local")
+    fresh = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    evaluated = hvdtrain.evaluate(tmp_path / "run", model=fresh, data=(train, val), split="val")
+    assert evaluated["samples"] == 120 and evaluated["loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
+    assert evaluated["acc"] == pytest.approx(summary["val_acc"])
+    predicted = hvdtrain.predict(tmp_path / "run", model=fresh, data=val)
+    assert predicted.shape == (120,)
+    assert (predicted == val.tensors[1]).float().mean().item() == pytest.approx(summary["val_acc"])
+    path = hvdtrain.export(tmp_path / "run", model=fresh, data=val, format="pt2")
+    assert path == tmp_path / "run" / "export" / "model.pt2" and path.exists()
+
+
+def test_a_model_object_named_on_the_command_line_is_one_line(tmp_path):
+    done = fit_under(None, "--data", "user_code:blobs", "--model", "user_code:MODEL_OBJECT", "--run-dir",
+                     str(tmp_path / "run"))
+    assert done.returncode == 2 and not (tmp_path / "run").exists()
+    assert done.stderr.strip().splitlines()[-1] == (
+        "hvdtrain: error: model 'user_code:MODEL_OBJECT' is an nn.Module object, not a function that builds one: "
+        "name a function (def model(): return Net()), or pass the object to hvdtrain.fit(model=...)")
