@@ -66,6 +66,8 @@ _FIT_OPTIONS = [
                  help="Record Horovod's timeline into RUN_DIR/horovod-timeline.json (open it in Perfetto)."),
     click.option("--callback", multiple=True, metavar="MODULE:CLASS",
                  help="Your callback (on_fit_start, on_step_end, on_epoch_end, on_checkpoint, on_fit_end); repeatable."),
+    click.option("--sync-batchnorm", is_flag=True, default=None,
+                 help="BatchNorm over the global batch (every rank's samples), not each rank's share."),
     click.option("--early-stopping-patience", type=int,
                  help="Stop every rank once the best metric has not improved for N epochs."),
     click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",

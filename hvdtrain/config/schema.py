@@ -208,13 +208,13 @@ class TrainConfig:
     """dist: elastic training keeps model, optimizer and position in memory every this many
     optimizer steps (and after each epoch); a lost process costs at most that much work."""
     callbacks: str = ""
-    """Your callbacks, comma-separated `package.module:Class` (made with no arguments) or
-    `package.module:object`: objects with on_fit_start, on_step_end, on_epoch_end, on_checkpoint or
-    on_fit_end, each given the run's state; `state.stop(reason)` on any rank stops every rank."""
+    """Your callbacks, comma-separated `package.module:Class` or `:object` (README, Callbacks)."""
     early_stopping_patience: Optional[int] = None
     """Stop every rank once run.best_metric has not improved for this many epochs (unset: off)."""
     early_stopping_min_delta: float = 0.0
     """Early stopping: an improvement is a change of more than this in run.best_metric."""
+    sync_batchnorm: bool = False
+    """dist: BatchNorm normalizes each training batch over the global batch, not this rank's share."""
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, "train.epochs", f"must be at least 1, got {self.epochs}")
@@ -222,11 +222,12 @@ class TrainConfig:
         _require(self.threads >= 0, "train.threads", f"must be 0 (auto) or more, got {self.threads}")
         _require(self.commit_every >= 1, "train.commit_every", f"must be at least 1, got {self.commit_every}")
         _require(self.stall_timeout >= 0, "train.stall_timeout", f"must be 0 (off) or more, got {self.stall_timeout}")
-        if self.early_stopping_patience is not None:
-            _require(self.early_stopping_patience >= 1, "train.early_stopping_patience",
-                     f"must be at least 1, got {self.early_stopping_patience}")
+        _require(self.early_stopping_patience is None or self.early_stopping_patience >= 1, "train.early_stopping_patience",
+                 f"must be at least 1, got {self.early_stopping_patience}")
         _require(self.early_stopping_min_delta >= 0, "train.early_stopping_min_delta",
                  f"must be 0 or more, got {self.early_stopping_min_delta}")
+        _require(not (self.sync_batchnorm and self.compile), "train.sync_batchnorm", "does not combine with "
+                 "train.compile yet: drop --compile or --sync-batchnorm")
 
 
 @dataclass

@@ -31,9 +31,9 @@ from hvdtrain.train.setup import Run, build, check_same_data, check_task, keep_l
 def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any]:
     """`fit` for `--elastic`: the same epochs, inside Horovod's elastic loop."""
     engine.require_elastic()  # before anything is built or written
-    if config.train.callbacks or config.train.early_stopping_patience is not None:
-        raise UserError("callbacks and early stopping do not run with --elastic yet: drop --callback and "
-                        "--early-stopping-patience, or train without --elastic")
+    if config.train.callbacks or config.train.early_stopping_patience is not None or config.train.sync_batchnorm:
+        raise UserError("callbacks, early stopping and --sync-batchnorm do not run with --elastic yet: drop "
+                        "--callback, --early-stopping-patience and --sync-batchnorm, or train without --elastic")
     # A process that joins later runs this too, while the others wait in their state
     # sync: no collective may happen before it, so set-up errors are held until then.
     error: Exception | None = None

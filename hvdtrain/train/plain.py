@@ -19,6 +19,7 @@ from hvdtrain.io.run_dir import TIMELINE
 from hvdtrain.train.callbacks import StoppedEarly, build_callbacks
 from hvdtrain.train.epoch import Totals, finish, open_run_files, run_epoch
 from hvdtrain.train.preemption import StopSignals, StepCheck
+from hvdtrain.train.sync_batchnorm import synchronize_batchnorm
 from hvdtrain.train.setup import (build, check_same_data, check_task, keep_learning_rate, shard, start_on_root,
                                   unwrapped)
 
@@ -42,6 +43,8 @@ def _fit(config: Config, engine: Engine, started: float, signals: StopSignals) -
                                     config.train.early_stopping_min_delta)
     with engine.agree("data"):
         check_same_data(engine, run)
+    if config.train.sync_batchnorm:  # dist: from here on a BatchNorm forward is a collective
+        synchronize_batchnorm(unwrapped(run.model), engine)
     with engine.agree("resume"):
         start = start_on_root(config, engine, run)
     run_dir = Path(engine.broadcast_object(str(run.run_dir) if engine.is_root else None, "run_dir"))
