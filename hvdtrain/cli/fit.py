@@ -62,6 +62,8 @@ _FIT_OPTIONS = [
     click.option("--progress", type=click.Choice(["auto", "bar", "off"]), help="Rank 0's progress bar."),
     click.option("--log-every", type=int, help="Also log to TensorBoard every N optimizer steps (0: per epoch)."),
     click.option("--tensorboard/--no-tensorboard", default=None, help="TensorBoard event files in the run directory (default on)."),
+    click.option("--mlflow", is_flag=True, default=None,
+                 help="Also log to MLflow ($MLFLOW_TRACKING_URI, else ./mlruns; pip install 'hvdtrain[mlflow]')."),
     click.option("--horovod-timeline", is_flag=True, default=None,
                  help="Record Horovod's timeline into RUN_DIR/horovod-timeline.json (open it in Perfetto)."),
     click.option("--callback", multiple=True, metavar="MODULE:CLASS",

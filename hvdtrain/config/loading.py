@@ -29,7 +29,7 @@ FIT_SETTINGS = {
     "overwrite": "run.overwrite", "progress": "run.progress", "elastic": "train.elastic",
     "log_every": "run.log_every", "tensorboard": "run.tensorboard", "horovod_timeline": "run.horovod_timeline",
     "callback": "train.callbacks", "early_stopping_patience": "train.early_stopping_patience",
-    "sync_batchnorm": "train.sync_batchnorm",
+    "sync_batchnorm": "train.sync_batchnorm", "mlflow": "run.mlflow",
 }
 
 

@@ -138,13 +138,12 @@ class OptimConfig:
     warmup_epochs: float = 1.0
     """dist: epochs over which lr ramps linearly from `lr` to the scaled lr (0 to switch off)."""
     schedule: Literal["constant", "cosine", "linear", "step", "onecycle"] = "constant"
-    """Learning-rate schedule over the steps after the warm-up, as a fraction of the scaled lr:
-    `constant`; `cosine` to 0; `linear` to 0; `step`: times step_gamma every step_every_epochs;
-    `onecycle`: a cosine rise from 1/25 over the first 30%, then a cosine fall to 1/250000."""
+    """After the warm-up: `constant`; `cosine` or `linear` to 0; `step`: times step_gamma every
+    step_every_epochs; `onecycle`: cosine from 1/25 up over 30% of the steps, then down to 1/250000."""
     step_every_epochs: float = 30.0
     """`step` schedule: epochs (after the warm-up) between two decays of the lr."""
     step_gamma: float = 0.1
-    """`step` schedule: the factor of each decay."""
+    """`step` schedule: each decay's factor."""
     clip_grad_norm: Optional[float] = None
     """Clip the global gradient norm to this value, after the allreduce (None: no clipping)."""
 
@@ -226,8 +225,7 @@ class TrainConfig:
                  f"must be at least 1, got {self.early_stopping_patience}")
         _require(self.early_stopping_min_delta >= 0, "train.early_stopping_min_delta",
                  f"must be 0 or more, got {self.early_stopping_min_delta}")
-        _require(not (self.sync_batchnorm and self.compile), "train.sync_batchnorm", "does not combine with "
-                 "train.compile yet: drop --compile or --sync-batchnorm")
+        _require(not (self.sync_batchnorm and self.compile), "train.sync_batchnorm", "does not combine with train.compile yet")
 
 
 @dataclass
@@ -269,6 +267,8 @@ class RunConfig:
     """Rank 0's progress bar: `auto` shows it when the terminal is interactive."""
     tensorboard: bool = True
     """Rank 0 writes TensorBoard event files into the run directory (tensorboard --logdir runs)."""
+    mlflow: bool = False
+    """Rank 0 also logs to MLflow ($MLFLOW_TRACKING_URI, else ./mlruns): params, metrics, artifacts."""
     log_every: int = 0
     """Also log the training loss (mean over ranks and steps), learning rate and samples/s every
     this many optimizer steps; 0: once per epoch only. dist: one small allreduce each time."""

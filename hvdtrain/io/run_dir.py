@@ -14,7 +14,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -22,7 +22,6 @@ from hvdtrain.io.atomic import atomic_write
 from hvdtrain.io.checkpoint import best_entry
 from hvdtrain.config import RunConfig
 from hvdtrain.errors import UserError
-from hvdtrain.io.event_log import EventLog
 
 TIMELINE = "horovod-timeline.json"
 METRICS = "metrics.jsonl"
@@ -108,9 +107,10 @@ def _fresh_default_dir() -> Path:
 class RunFiles:
     """Writes the run directory's files (rank 0 only)."""
 
-    def __init__(self, path: Path, events: EventLog | None = None):
+    def __init__(self, path: Path, trackers: Sequence[Any] = ()):
         self.path = path
-        self.events = events
+        self.trackers = list(trackers)
+        """TensorBoard's EventLog, MLflowLog: each has epoch(record), steps(step, values) and close()."""
 
     def write_config(self, config: dict[str, Any]) -> None:
         text = yaml.safe_dump(config, sort_keys=False)
@@ -119,16 +119,16 @@ class RunFiles:
     def append_metrics(self, record: dict[str, Any]) -> None:
         with open(self.path / METRICS, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
-        if self.events is not None:
-            self.events.epoch(record)
+        for tracker in self.trackers:
+            tracker.epoch(record)
 
     def log_steps(self, step: int, values: dict[str, float]) -> None:
-        if self.events is not None:
-            self.events.steps(step, values)
+        for tracker in self.trackers:
+            tracker.steps(step, values)
 
     def close(self) -> None:
-        if self.events is not None:
-            self.events.close()
+        for tracker in self.trackers:
+            tracker.close()
 
     def truncate_metrics(self, after_epoch: int, warn: Callable[[str], None] = lambda message: None) -> None:
         """On resume: drops records of epochs after the checkpoint, which are replayed, and torn lines."""
@@ -146,3 +146,6 @@ class RunFiles:
     def write_summary(self, summary: dict[str, Any]) -> None:
         text = json.dumps(summary, indent=2) + "\n"
         atomic_write(self.path / "summary.json", lambda handle: handle.write(text.encode()))
+        for tracker in self.trackers:
+            if hasattr(tracker, "finish"):  # the summary and the best checkpoint as artifacts
+                tracker.finish(self.path / "summary.json", self.path / "checkpoints" / "best.pt")

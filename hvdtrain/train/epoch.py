@@ -19,6 +19,7 @@ from hvdtrain.engine import Engine, RankFailed
 from hvdtrain.errors import FailedAt, StoppedBySignal, UserError, message_lines, where
 from hvdtrain.io.checkpoint import CheckpointStore
 from hvdtrain.io.event_log import EventLog
+from hvdtrain.io.mlflow_log import MLflowLog
 from hvdtrain.io.progress import EpochProgress, epoch_line, say
 from hvdtrain.io.run_dir import RunFiles
 from hvdtrain.train.callbacks import Callbacks, StoppedEarly
@@ -44,8 +45,10 @@ def open_run_files(config: Config, engine: Engine, run: Run, run_dir: Path, star
     """Rank 0's writer of the run directory (None elsewhere); says where the run goes."""
     if not engine.is_root:  # dist: rank 0 writes shared files
         return None
-    events = EventLog(run_dir, resumed_at_step=start_step) if config.run.tensorboard else None
-    files = RunFiles(run_dir, events)
+    trackers: list[Any] = [EventLog(run_dir, resumed_at_step=start_step)] if config.run.tensorboard else []
+    if config.run.mlflow:
+        trackers.append(MLflowLog(run_dir, config.to_dict(), warn=lambda message: say(f"hvdtrain: warning: {message}")))
+    files = RunFiles(run_dir, trackers)
     files.write_config(config.to_dict())
     files.truncate_metrics(after_epoch=start_epoch, warn=lambda message: say(f"hvdtrain: warning: {message}"))
     say(f"hvdtrain: run directory {run_dir}  (world size {engine.size}, "

@@ -16,6 +16,7 @@ from hvdtrain.engine import Engine
 from hvdtrain.io.checkpoint import CheckpointStore
 from hvdtrain.io.progress import bar_stream
 from hvdtrain.io.run_dir import TIMELINE
+from hvdtrain.io.mlflow_log import require_mlflow
 from hvdtrain.train.callbacks import StoppedEarly, build_callbacks
 from hvdtrain.train.epoch import Totals, finish, open_run_files, run_epoch
 from hvdtrain.train.preemption import StopSignals, StepCheck
@@ -41,6 +42,8 @@ def _fit(config: Config, engine: Engine, started: float, signals: StopSignals) -
         check_task(run, config, engine)
         callbacks = build_callbacks(config.train.callbacks, run.best, config.train.early_stopping_patience,
                                     config.train.early_stopping_min_delta)
+        if config.run.mlflow:
+            require_mlflow()
     with engine.agree("data"):
         check_same_data(engine, run)
     if config.train.sync_batchnorm:  # dist: from here on a BatchNorm forward is a collective

@@ -1,0 +1,64 @@
+"""Experiment tracking: MLflow read back with MLflow's own client (parameters, metrics at the run's
+steps, artifacts, one MLflow run for a run stopped and resumed), written by rank 0 alone; a tracking
+server that cannot be reached is said once and the run goes on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import fit_under, requires_launchers
+from hvdtrain.cli import main
+
+DIGITS = ["--progress", "off", "--log-every", "5", "--mlflow"]
+
+
+@pytest.fixture
+def mlflow_env(monkeypatch, tmp_path):
+    """MLflow's settings for this test only (hvdtrain sets defaults for them in its process)."""
+    uri = (tmp_path / "mlruns").as_uri()
+    for name, value in {"MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": "true",
+                        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}.items():
+        monkeypatch.setenv(name, value)
+    return uri
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_mlflow_holds_the_run_s_params_metrics_and_artifacts_in_one_run_across_a_resume(mlflow_env, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "run"
+    first = fit_under("horovodrun-gloo", *DIGITS, "--epochs", "2", "--run-dir", str(run_dir))
+    assert first.returncode == 0, first.stderr[-3000:]
+    main(["fit", *DIGITS, "--epochs", "3", "--engine", "local", "--resume", "--run-dir", str(run_dir)])
+
+    client = MlflowClient(mlflow_env)
+    runs = client.search_runs([client.get_experiment_by_name("hvdtrain").experiment_id])
+    assert len(runs) == 1, "rank 0 alone logs, and the resume went on in the same MLflow run"
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    assert run.data.params["train.epochs"] == "2" and run.data.params["optim.lr"] == "0.05"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    history = client.get_metric_history(run.info.run_id, "val_acc")
+    assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r["val_acc"])) for r in records]
+    steps = client.get_metric_history(run.info.run_id, "steps/train_loss")
+    # 2 epochs of 11 steps on 2 processes, then on one process, whose steps count its own global batch
+    # (epoch 3 is steps 45-66 of 22 an epoch): a point every 5 steps
+    assert sorted({m.step for m in steps}) == [5, 10, 15, 20, 45, 50, 55, 60, 65]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert "summary.json" in artifacts
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")] == ["checkpoints/best.pt"]
+
+
+def test_a_tracking_server_that_cannot_be_reached_is_said_once_and_the_run_goes_on(mlflow_env, monkeypatch,
+                                                                                       tmp_path, capsys):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing listens on the discard port
+    main(["fit", *DIGITS, "--epochs", "2", "--engine", "local", "--run-dir", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if "MLflow" in line]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "hvdtrain: warning: MLflow at http://127.0.0.1:9 cannot be reached (")
+    assert warnings[0].endswith("; training goes on without it")
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["epochs"] == 2
