@@ -142,3 +142,14 @@ def test_a_model_object_named_on_the_command_line_is_one_line(tmp_path):
     assert done.stderr.strip().splitlines()[-1] == (
         "hvdtrain: error: model 'user_code:MODEL_OBJECT' is an nn.Module object, not a function that builds one: "
         "name a function (def model(): return Net()), or pass the object to hvdtrain.fit(model=...)")
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_a_callback_on_rank_0_alone_still_stops_every_rank(tmp_path):
+    done = run([*python_under("horovodrun-gloo"), str(SCRIPT), str(tmp_path / "run"), "rank0-callback"], cwd=tmp_path,
+               timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} summary epochs 2 world size 2" in done.stdout, done.stdout[-2000:]
+    assert "hvdtrain: stopped: epoch two is enough (rank 0); at epoch 2, step" in done.stdout

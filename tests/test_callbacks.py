@@ -12,7 +12,7 @@ from conftest import HOROVOD_AND_TORCH, fit_under, requires_launchers
 from hvdtrain.cli import main
 
 LOCAL = ["--progress", "off", "--engine", "local", "--threads", "1"]
-SMALL = ["--data", "random", "--set", "data.samples=256", "--batch-size", "32"]  # 7 steps an epoch of 1 process
+SMALL = ["--data", "random", "--set", "data.samples=256", "--batch-size", "32"]  # 6 steps an epoch of 1 process
 
 
 def calls(record: Path, rank: int) -> list[dict]:
@@ -90,3 +90,41 @@ def test_a_stop_asked_on_rank_one_alone_stops_every_rank_at_the_same_step(launch
 
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert saved["step"] == 5 and saved["position"] == 5 * 64  # mid-epoch: --resume goes on from sample 320
+
+
+def test_a_stop_before_the_first_epoch_s_end_says_where_it_stopped(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    main(["fit", *LOCAL, *SMALL, "--epochs", "3", "--callback", "user_code:StopAtStepTwo", "--set",
+          "run.stop_check_seconds=0", "--run-dir", str(run_dir)])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["stopped"], summary["stopped_at_epoch"], summary["stopped_at_step"]) == ("two steps are enough", 1, 2)
+    assert summary["epochs"] == 0 and summary["planned_epochs"] == 3
+    out = capsys.readouterr().out
+    assert "hvdtrain: stopped: two steps are enough; at epoch 1, step 2 (inside it: --resume continues there)" in out
+    assert "nothing to do" not in out
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_early_stopping_stops_every_rank_at_the_same_epoch(tmp_path):
+    run_dir = tmp_path / "run"
+    done = fit_under("torchrun", "--data", "user_code:val_disagrees", "--model", "user_code:tiny_net", "--batch-size",
+                     "16", "--no-scale-lr", "--lr", "0.5", "--epochs", "20", "--early-stopping-patience", "2",
+                     "--set", "run.best_metric=val_loss", "--run-dir", str(run_dir))  # one process x 32's curve
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_at_epoch"] == 3 and summary["world_size"] == 2
+    assert summary["stopped"].startswith("early stopping: val_loss has not improved for 2 epochs")
+    assert "(rank" not in summary["stopped"]  # every rank asked alike: no rank to name
+
+
+def test_early_stopping_resumed_keeps_the_best_epoch_so_far(tmp_path):
+    """Stopped by early stopping at epoch 3, then resumed with more epochs: the best is still epoch 1,
+    so it stops again at the next epoch's end instead of waiting `patience` more."""
+    args = [*LOCAL, "--data", "user_code:val_disagrees", "--model", "user_code:tiny_net", "--batch-size", "32",
+            "--lr", "0.5", "--early-stopping-patience", "2", "--set", "run.best_metric=val_loss",
+            "--run-dir", str(tmp_path / "run")]
+    main(["fit", *args, "--epochs", "20"])
+    main(["fit", *args, "--epochs", "20", "--resume"])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stopped_at_epoch"] == 4 and "at epoch 1)" in summary["stopped"]

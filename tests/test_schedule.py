@@ -27,7 +27,7 @@ def rate(schedule: str, processes: int, warmup_epochs: float = 1.0, **extra) -> 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_each_schedule_is_its_formula_after_the_same_warm_up_and_scaling(processes):
     peak = BASE * processes  # dist: the lr follows the global batch
-    for schedule in ("constant", "cosine", "linear", "step", "onecycle"):
+    for schedule in ("constant", "cosine", "linear", "step"):
         lr = rate(schedule, processes, step_every_epochs=1, step_gamma=0.5)
         assert lr(0) == pytest.approx(BASE) and lr(5) == pytest.approx(BASE + (peak - BASE) / 2), schedule
     # After the 10 warm-up steps, 40 steps: progress = (step - 10) / 40.
@@ -44,6 +44,8 @@ def test_each_schedule_is_its_formula_after_the_same_warm_up_and_scaling(process
     assert cycle(50) == pytest.approx(peak / 250000)
     assert cycle(7.5) == pytest.approx(peak / 25 + (peak - peak / 25) * 0.5)  # halfway up the cosine
     assert cycle(32.5) == pytest.approx(peak / 250000 + (peak - peak / 250000) * 0.5)  # halfway down
+    # Its rise is its warm-up: optim.warmup_epochs does not put a linear one (and a cliff) before it.
+    assert [rate("onecycle", processes, warmup_epochs=1)(s) for s in range(51)] == [cycle(s) for s in range(51)]
 
 
 def _logged_lr(run_dir) -> dict[int, float]:
@@ -112,3 +114,26 @@ def test_an_optimizer_factory_returning_something_else_is_one_line(tmp_path, cap
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "hvdtrain: error: optimizer factory 'user_code:not_an_optimizer' returned list: return a torch.optim.Optimizer "
         "over the model's parameters")
+
+
+def test_an_adamw_checkpoint_of_one_parameter_group_resumes(tmp_path):
+    """Checkpoints written before AdamW split off biases and norm scales hold one group of every
+    parameter in the model's order: a resume splits it as the optimizer now groups them."""
+    run_dir = tmp_path / "run"
+    args = ["fit", "--data", "random", "--set", "data.samples=256", "--optimizer", "adamw", "--progress", "off",
+            "--engine", "local", "--run-dir", str(run_dir)]
+    main([*args, "--epochs", "1"])
+    path = run_dir / "checkpoints" / "epoch-0001.pt"
+    saved = torch.load(path, weights_only=True)
+    dims = [tensor.dim() for tensor in saved["model"].values()]  # the model's parameters, in order
+    order = [i for i, d in enumerate(dims) if d >= 2] + [i for i, d in enumerate(dims) if d < 2]
+    groups = saved["optimizer"]["param_groups"]
+    old_state = {order[new_id]: value for new_id, value in saved["optimizer"]["state"].items()}
+    saved["optimizer"] = {"state": old_state, "param_groups": [{**groups[0], "params": list(range(len(dims)))}]}
+    for name in ("epoch-0001.pt", "last.pt", "best.pt"):
+        (run_dir / "checkpoints" / name).unlink()
+    torch.save(saved, path)
+    (run_dir / "checkpoints" / "manifest.json").unlink()  # as if written by the older version
+    main([*args, "--epochs", "2", "--resume"])
+    resumed = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert resumed["epoch"] == 2 and len(resumed["optimizer"]["param_groups"]) == 2

@@ -669,3 +669,19 @@ def fails_on_rank_one():
 
 
 MODEL_OBJECT = nn.Identity()  # a model object where the command wants a function (no weights: no RNG drawn at import)
+
+
+class StopAtStepTwo:
+    """Asks to stop after optimizer step 2, before the first epoch has a record."""
+
+    def on_step_end(self, state):
+        if state.step == 2:
+            state.stop("two steps are enough")
+
+
+class StopAtEpochTwo:
+    """Asks to stop at the end of epoch 2 (given to one rank only by tests/workers/api_script.py)."""
+
+    def on_epoch_end(self, state):
+        if state.epoch == 2:
+            state.stop("epoch two is enough")

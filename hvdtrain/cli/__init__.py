@@ -71,7 +71,7 @@ def _main(argv: Sequence[str] | None) -> None:
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
     except click.exceptions.Abort:
-        fail("interrupted", 130, debug)
+        fail("interrupted", 130, debug, wait=False)
     except click.ClickException as err:
         fail(err.format_message(), 2, debug)
     except Exception as err:

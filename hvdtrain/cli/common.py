@@ -16,8 +16,8 @@ from hvdtrain.errors import RendezvousFailed, StoppedBySignal, UserError
 # dist: how long a rank that stays quiet about an error waits before it exits. Launchers stop every
 # rank once one exits; a quiet rank leaving first would cut off rank 0 before its line (a rank 0 that
 # started a second late, on a loaded host, was). Rank 0's exit ends the wait sooner: its launcher
-# stops the others then.
-QUIET_RANK_WAIT_SECONDS = 5.0
+# stops the others then, so the wait costs nothing where rank 0 fails too.
+QUIET_RANK_WAIT_SECONDS = 10.0
 
 
 def with_engine(debug: bool, work: Callable[[Any], Any], **engine_args: Any) -> None:
@@ -74,14 +74,14 @@ def _collective_failure(err: Exception) -> bool:
     return any(engine is not None and engine.is_collective_failure(err) for engine in engines)
 
 
-def fail(message: str, code: int, debug: bool, every_rank: bool = False) -> NoReturn:
+def fail(message: str, code: int, debug: bool, every_rank: bool = False, wait: bool = True) -> NoReturn:
     from hvdtrain.engine import launcher_rank
 
     if debug:
         traceback.print_exc()
     if every_rank or (launcher_rank() or 0) == 0:  # dist: one line from rank 0, not one per rank
         click.echo(f"hvdtrain: error: {message}", err=True)
-    else:
+    elif wait:
         time.sleep(QUIET_RANK_WAIT_SECONDS)
     sys.exit(code)
 

@@ -38,9 +38,9 @@ HOOKS = ("on_fit_start", "on_step_end", "on_epoch_end", "on_checkpoint", "on_fit
 class StoppedEarly(Exception):
     """Every rank stopped together because a callback (or early stopping) asked: not an error."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, epoch: int, step: int):
         super().__init__(reason)
-        self.reason = reason
+        self.reason, self.epoch, self.step = reason, epoch, step
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,21 @@ class Callbacks:
         self.callbacks = callbacks
         self.requested: str | None = None
         self.on_steps = any(hasattr(c, "on_step_end") for c in callbacks)
+        self.active = bool(callbacks)
         self.engine: Any = None
         self.model: nn.Module | None = None
         self.run_dir = Path()
 
     def __bool__(self) -> bool:
-        return bool(self.callbacks)
+        """Whether any rank has callbacks (after `settle`): the ranks' stop checks depend on it alike."""
+        return self.active
+
+    def settle(self, engine: Any) -> None:
+        """dist: every rank, once: whether any rank has callbacks, and any on_step_end. A script may give
+        rank 0 alone a logger; the collectives that look for a stop must still be the same everywhere."""
+        found = engine.allreduce_sum(torch.tensor([float(bool(self.callbacks)), float(self.on_steps)]),
+                                     "callbacks").tolist()
+        self.active, self.on_steps = found[0] > 0, found[1] > 0
 
     def bind(self, engine: Any, model: nn.Module, run_dir: Path) -> "Callbacks":
         """The run's engine, model and directory, once every rank has set up."""
@@ -109,8 +118,14 @@ class Callbacks:
     def reason(self) -> str:
         """dist: once the ranks agreed to stop: the first asking rank's reason, on every rank."""
         reasons = self.engine.allgather_object(self.requested, "callback_stop_reason")
-        return next(f"{reason} (rank {rank})" if len(reasons) > 1 else reason
-                    for rank, reason in enumerate(reasons) if reason is not None)
+        if all(reason == reasons[0] for reason in reasons):  # every rank alike (early stopping): no rank to name
+            return reasons[0]
+        return next(f"{reason} (rank {rank})" for rank, reason in enumerate(reasons) if reason is not None)
+
+    def resume_early_stopping(self, best: dict[str, Any] | None) -> None:
+        for callback in self.callbacks:
+            if isinstance(callback, EarlyStopping):
+                callback.resume(best)
 
     def _request(self, reason: str) -> None:
         if self.requested is None:
@@ -125,6 +140,11 @@ class EarlyStopping:
         self.key, self.higher, self.patience, self.min_delta = key, higher, patience, min_delta
         self.best: float | None = None
         self.best_epoch = 0
+
+    def resume(self, best: dict[str, Any] | None) -> None:
+        """A resumed run's best epoch so far (from metrics.jsonl, the same on every rank)."""
+        if best and best.get(self.key) is not None:
+            self.best, self.best_epoch = float(best[self.key]), int(best["epoch"])
 
     def on_epoch_end(self, state: FitState) -> None:
         value = state.metrics.get(self.key)

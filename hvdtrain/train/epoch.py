@@ -108,7 +108,7 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
                                       "continue with --resume")
             if check.callback_stop:  # dist: every rank learnt it in the same check, at this step
                 progress.close()
-                raise StoppedEarly(callbacks.reason())
+                raise StoppedEarly(callbacks.reason(), epoch, done)
 
     engine.at(f"epoch {epoch}, training from step {step}")
     epoch_start = time.perf_counter()
@@ -167,7 +167,7 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
     if reason is not None:
         if not saved:
             save()
-        raise StoppedEarly(reason)
+        raise StoppedEarly(reason, epoch, step)
     return step
 
 
@@ -268,11 +268,11 @@ def _located(err: Exception, engine: Engine, position: str) -> Exception:
 
 
 def finish(config: Config, engine: Engine, run: Run, run_dir: Path, totals: Totals,
-           files: RunFiles | None, stopped: str | None = None) -> dict[str, Any]:
-    """The run's summary; rank 0 writes summary.json and says how it ended. `stopped`: why every
-    rank stopped before the last epoch (a callback, early stopping)."""
+           files: RunFiles | None, stopped: StoppedEarly | None = None) -> dict[str, Any]:
+    """The run's summary; rank 0 writes summary.json and says how it ended. `stopped`: every rank
+    stopped before the last epoch (a callback, early stopping), with why and where."""
     record = totals.record or {}
-    epochs = record.get("epoch", config.train.epochs) if stopped else config.train.epochs
+    epochs = record.get("epoch", totals.start_epoch) if stopped else config.train.epochs
     key, higher = run.best
     summary = {
         "world_size": engine.size, "epochs": epochs, "steps": record.get("step"), "task": run.task.name,
@@ -284,19 +284,21 @@ def finish(config: Config, engine: Engine, run: Run, run_dir: Path, totals: Tota
         "resumed_from_epoch": totals.start_epoch or None,
     }
     if stopped:
-        summary.update(stopped=stopped, planned_epochs=config.train.epochs)
+        summary.update(stopped=stopped.reason, stopped_at_epoch=stopped.epoch, stopped_at_step=stopped.step,
+                       planned_epochs=config.train.epochs)
     if files is not None:
         best = files.best_record(key, higher)  # over every epoch recorded, a resumed run's too
         summary.update(best_value=best.get(key), best_epoch=best.get("epoch"))
         files.write_summary(summary)
         files.close()
         if stopped:
-            say(f"hvdtrain: stopped: {stopped}")
+            inside = "" if record.get("step") == stopped.step else " (inside it: --resume continues there)"
+            say(f"hvdtrain: stopped: {stopped.reason}; at epoch {stopped.epoch}, step {stopped.step:,}{inside}")
         if record:
             best_text = f" (best {best[key]:.4f} at epoch {best['epoch']})" if best else ""
             say(f"hvdtrain: done: {key} {record[key]:.4f} after {epochs} epochs{best_text}; "
                 f"results in {run_dir}/summary.json")
-        else:
+        elif not stopped:
             say(f"hvdtrain: nothing to do: {run_dir} already finished {epochs} epochs")
     return summary
 

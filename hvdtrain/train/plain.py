@@ -46,6 +46,7 @@ def _fit(config: Config, engine: Engine, started: float, signals: StopSignals) -
             require_mlflow()
     with engine.agree("data"):
         check_same_data(engine, run)
+    callbacks.settle(engine)
     if config.train.sync_batchnorm:  # dist: from here on a BatchNorm forward is a collective
         synchronize_batchnorm(unwrapped(run.model), engine)
     with engine.agree("resume"):
@@ -72,6 +73,9 @@ def _fit(config: Config, engine: Engine, started: float, signals: StopSignals) -
         engine.start_timeline(run_dir / TIMELINE)
     check = StepCheck(config.run, engine, signals, callbacks)
     callbacks.bind(engine, unwrapped(run.model), run_dir)
+    if start.epoch and config.train.early_stopping_patience is not None:  # dist: rank 0 reads, all learn
+        callbacks.resume_early_stopping(engine.broadcast_object(
+            files.best_record(*run.best) if files is not None else None, "early_stopping_best"))
     stopped = None
     try:
         callbacks.call("on_fit_start", start.epoch, step)
@@ -81,7 +85,7 @@ def _fit(config: Config, engine: Engine, started: float, signals: StopSignals) -
                              start=resumed.position if resumed else 0, check=check, resumed=resumed,
                              callbacks=callbacks)
     except StoppedEarly as early:  # every rank, at the same step: an orderly end
-        stopped = early.reason
+        stopped = early
     except BaseException:
         if files is not None:  # a stop or a failure: TensorBoard's last events are written too
             files.close()

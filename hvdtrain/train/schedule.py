@@ -36,7 +36,9 @@ class LearningRate:
         # dist: linear scaling with the global batch (Goyal et al., 2017). Adasum adds
         # gradients adaptively instead of averaging them, so the lr stays as for one process.
         scale = global_batch / lr_batch if cfg.scale_lr and not adasum else 1.0
-        return cls(cfg.lr, scale, lr_batch, round(cfg.warmup_epochs * steps_per_epoch), steps_per_epoch * epochs,
+        # OneCycle's own rise is its warm-up: a linear one before it would end on a cliff down to 1/25.
+        warmup = 0 if cfg.schedule == "onecycle" else round(cfg.warmup_epochs * steps_per_epoch)
+        return cls(cfg.lr, scale, lr_batch, warmup, steps_per_epoch * epochs,
                    cfg.schedule, max(1, round(cfg.step_every_epochs * steps_per_epoch)), cfg.step_gamma)
 
     def __call__(self, step: int) -> float:

@@ -152,7 +152,7 @@ def _make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
     if cfg.name == "adamw":
         # Decay the weights of matrices and kernels only: biases and norm scales (fewer than 2
         # dimensions) are not decayed, as in BERT's and GPT's recipes.
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = list(model.parameters())
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
@@ -191,7 +191,7 @@ def _restore(config: Config, run: Run, run_dir: Path) -> Start:
         raise UserError(f"checkpoint '{path}' does not fit this model: {message_lines(err, 3)}; "
                         "resume with the model settings it was written with") from err
     try:
-        run.optimizer.load_state_dict(state["optimizer"])
+        run.optimizer.load_state_dict(_adamw_groups_split(state["optimizer"], run.optimizer, config, run.model))
     except (ValueError, KeyError) as err:
         raise UserError(f"checkpoint '{path}' has optimizer state that does not fit optim.name "
                         f"'{config.optim.name}': {err}") from err
@@ -204,6 +204,22 @@ def _restore(config: Config, run: Run, run_dir: Path) -> Start:
     lr_batch = state.get("lr_batch") or state.get("config", {}).get("data", {}).get("batch_size", 0)
     return Start(int(state["epoch"]), int(state["step"]), position, tuple(sums), state.get("rng"),
                  int(state.get("world_size", 0)), int(lr_batch))
+
+
+def _adamw_groups_split(saved: dict[str, Any], optimizer: torch.optim.Optimizer, config: Config,
+                        model: nn.Module) -> dict[str, Any]:
+    """An AdamW checkpoint from before biases and norm scales got a group of their own (one group of
+    every parameter in the model's order), split as `_make_optimizer` groups them now."""
+    groups = saved.get("param_groups", [])
+    if config.optim.name != "adamw" or len(groups) != 1 or len(optimizer.param_groups) == 1:
+        return saved
+    dims = [p.dim() for p in unwrapped(model).parameters()]
+    if len(groups[0]["params"]) != len(dims):
+        return saved  # not this model's: load_state_dict says so
+    old = groups[0]
+    split = [{**old, "params": [i for i, d in zip(old["params"], dims) if d >= 2]},
+             {**old, "weight_decay": 0.0, "params": [i for i, d in zip(old["params"], dims) if d < 2]}]
+    return {**saved, "param_groups": [g for g in split if g["params"]]}
 
 
 def keep_learning_rate(config: Config, lr_batch: int) -> None:

@@ -1,6 +1,6 @@
 """A user's training script on hvdtrain's Python API: objects built in code, no factories.
 
-    python tests/workers/api_script.py RUN_DIR
+    python tests/workers/api_script.py RUN_DIR [rank0-callback]
     horovodrun -np 2 python tests/workers/api_script.py RUN_DIR
     torchrun --nproc-per-node 2 tests/workers/api_script.py RUN_DIR
 
@@ -15,12 +15,15 @@ import sys
 import torch
 
 import hvdtrain
-from user_code import blobs_split, tiny_net
+from user_code import StopAtEpochTwo, blobs_split, tiny_net
 
 rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0"))))
 data = blobs_split()
 torch.manual_seed(0 if rank == 0 else 1234)
 model = tiny_net((5,), 3)
+# With `rank0-callback`, rank 0 alone has a callback (one that stops after epoch 2), as a script that
+# logs from rank 0 only would: every rank must still stop with it.
+callbacks = [StopAtEpochTwo()] if sys.argv[2:] == ["rank0-callback"] and rank == 0 else []
 summary = hvdtrain.fit(model=model, data=data, task=torch.nn.CrossEntropyLoss(), epochs=3, batch_size=16,
-                       run_dir=sys.argv[1], progress="off", overrides={"optim.momentum": 0.5})
+                       run_dir=sys.argv[1], progress="off", overrides={"optim.momentum": 0.5}, callbacks=callbacks)
 print(f"rank {rank} summary epochs {summary['epochs']} world size {summary['world_size']}", flush=True)
