@@ -139,7 +139,7 @@ class OptimConfig:
     """dist: epochs over which lr ramps linearly from `lr` to the scaled lr (0 to switch off)."""
     schedule: Literal["constant", "cosine", "linear", "step", "onecycle"] = "constant"
     """After the warm-up: `constant`; `cosine` or `linear` to 0; `step`: times step_gamma every
-    step_every_epochs; `onecycle`: cosine from 1/25 up over 30% of the steps, then down to 1/250000."""
+    step_every_epochs; `onecycle`: cosine from 1/25 up over 30% (its warm-up), then down to 1/250000."""
     step_every_epochs: float = 30.0
     """`step` schedule: epochs (after the warm-up) between two decays of the lr."""
     step_gamma: float = 0.1
