@@ -52,7 +52,7 @@ CASES = {
     "wrong type flag": (["--batch-size", "many"], "Invalid value for '--batch-size': 'many' is not a valid integer"),
     "batch size zero": (["--batch-size", "0"], "config key 'data.batch_size' must be at least 1, got 0"),
     "missing config file": (["--config", "absent.yaml"], "config file 'absent.yaml' does not exist"),
-    "bad choice": (["--optimizer", "lamb"], "Invalid value for '--optimizer'"),
+    "bad choice": (["--schedule", "sometimes"], "Invalid value for '--schedule'"),
     "batch larger than data": (["--data", "random", "--set", "data.samples=20", "--batch-size", "64"],
                                "the training set has 16 samples, fewer than one optimizer step needs"),
     "resume and overwrite": (["--resume", "--overwrite"], "exclude each other"),

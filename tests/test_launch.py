@@ -132,3 +132,5 @@ def test_torchrun_s_outcome_names_the_killed_worker_and_keeps_a_clean_stop():
     assert torchrun_outcome(failures(-15, -9))[1].startswith("worker rank 1 was killed by SIGKILL")  # the agent's SIGTERM
     assert torchrun_outcome(failures(-15, -15))[1].startswith("worker rank 0 was killed by SIGTERM")
     assert torchrun_outcome(failures(2, 1)) == (2, "worker rank 0 exited with status 2; the other workers were stopped")
+    # Rank 0 said what was wrong and exited 2 while rank 1 waited for it: the agent's SIGTERM ended rank 1.
+    assert torchrun_outcome(failures(2, -15)) == (2, "worker rank 0 exited with status 2; the other workers were stopped")

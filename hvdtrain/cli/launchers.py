@@ -192,12 +192,14 @@ def torchrun_outcome(failures: dict[int, object]) -> tuple[int, str | None]:
     A rank that stopped (75) did so after every rank had saved and met: the agent's SIGTERM to a rank
     still on its way out after that cuts nothing short, and is not named. Else a worker killed by a
     signal (SIGKILL, out of memory) comes before the others, whose own errors follow from it (their
-    peer went away), and SIGTERM last among those: the agent sends it to the rest once one failed.
-    Else the first to fail."""
+    peer went away); then a worker that exited with an error of its own; SIGTERM last of all: the
+    agent sends it to the rest once one failed (ranks that wait for rank 0's error line get it).
+    Among equals, the first to fail."""
     codes = {rank: failure.exitcode for rank, failure in failures.items()}
     if STOPPED in codes.values():
         return STOPPED, None
-    rank = min(codes, key=lambda r: (codes[r] >= 0, codes[r] == -signal.SIGTERM, failures[r].timestamp, r))
+    rank = min(codes, key=lambda r: (2 if codes[r] == -signal.SIGTERM else 0 if codes[r] < 0 else 1,
+                                     failures[r].timestamp, r))
     code = codes[rank]
     return code if code > 0 else 1, f"worker rank {rank} {_describe_exit(code)}; the other workers were stopped"
 
