@@ -21,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
 
-from hvdtrain.config import FIT_SETTINGS, Config, settings_config
+from hvdtrain.config import FIT_SETTINGS, Config, default_part, saved_run_overrides, settings_config
 from hvdtrain.errors import UserError
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def evaluate(run_dir: str | Path, *, checkpoint: str = "best", data: DataLike | 
     rebuild; the model object is loaded with the checkpoint's weights."""
     from hvdtrain.after.inference import evaluate_run
 
-    part = split or ("all" if data is not None else "val")
+    part = default_part(split, data is not None)
     return _on_saved_run(run_dir, checkpoint, data, model, task, batch_size, overrides, device,
                          lambda saved, engine: evaluate_run(saved, engine, part))
 
@@ -112,7 +112,7 @@ def predict(run_dir: str | Path, *, checkpoint: str = "best", data: DataLike | N
 
     from hvdtrain.after.inference import predict_run
 
-    part = split or ("all" if data is not None else "val")
+    part = default_part(split, data is not None)
     found = _on_saved_run(run_dir, checkpoint, data, model, task, batch_size, overrides, device,
                           lambda saved, engine: predict_run(saved, engine, part, raw_outputs))
     if found is None:
@@ -138,7 +138,7 @@ def export(run_dir: str | Path, *, format: str = "safetensors", output: str | Pa
         with engine.agree("export"):  # dist: rank 0 writes; a failure there stops every rank
             if not engine.is_root:
                 return None
-            dataset, collate = part_of(saved, "all" if data is not None else "val", need_targets=False)
+            dataset, collate = part_of(saved, default_part(None, data is not None), need_targets=False)
             batch = first_batch(dataset, saved.config.data.batch_size, collate, engine)
             path = Path(output) if output else exporting.default_path(saved, format)
             return exporting.export(saved, format, path, batch).path
@@ -157,12 +157,10 @@ def _on_saved_run(run_dir: str | Path, checkpoint: str, data: Any, model: Any, t
                        ("data.batch_size", batch_size)):
         if value is not None:
             settings[key] = value
-    settings.update({"train.device": device, "run.resume": False, "run.overwrite": False, "train.elastic": False,
-                     "train.compile": False})  # training only
     engine = start_engine(device=device)
     finished = False
     try:
-        result = work(open_run(engine, run_dir, checkpoint, settings), engine)
+        result = work(open_run(engine, run_dir, checkpoint, saved_run_overrides(settings, device)), engine)
         finished = True
         return result
     finally:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import click
 
 from hvdtrain.cli.common import is_rank_0, with_engine, write_json
-from hvdtrain.config import parse_assignment
+from hvdtrain.config import default_part, parse_assignment, saved_run_overrides
 from hvdtrain.errors import UserError
 
 
@@ -38,14 +38,11 @@ def _run_overrides(data: str | None, batch_size: int | None, device: str, assign
         overrides["data.name"] = data
     if batch_size is not None:
         overrides["data.batch_size"] = batch_size
-    overrides["train.device"] = device
-    for key in ("run.resume", "run.overwrite", "train.elastic", "train.compile"):  # training only
-        overrides[key] = False
-    return overrides
+    return saved_run_overrides(overrides, device)
 
 
 def _default_part(part: str | None, data: str | None) -> str:
-    return part or ("all" if data is not None else "val")
+    return default_part(part, data is not None)
 
 
 @click.command()

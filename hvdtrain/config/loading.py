@@ -70,6 +70,18 @@ def settings_config(path: str | Path | None, overrides: dict[str, Any], settings
     return load_config(path, overrides)
 
 
+def saved_run_overrides(overrides: dict[str, Any], device: str) -> dict[str, Any]:
+    """What `evaluate`, `predict` and `export` (the commands and their Python twins) lay over a saved
+    run's config: the given keys, the device, and the training-only keys switched off."""
+    return {**overrides, "train.device": device, "run.resume": False, "run.overwrite": False,
+            "train.elastic": False, "train.compile": False}
+
+
+def default_part(part: str | None, other_data: bool) -> str:
+    """The part of the data to read after fit: as asked, else all of other data, else fit's validation split."""
+    return part or ("all" if other_data else "val")
+
+
 def parse_assignment(text: str) -> tuple[str, Any]:
     """`section.key=value` from --set; the value is read as YAML (so 3, 0.1, true, null work)."""
     key, sep, value = text.partition("=")
