@@ -45,11 +45,15 @@ def _state(env: dict, job: str) -> str:
     return found.group(1) if found else "GONE"
 
 
+# States a job passes through on its way to an end; SIGNALING shows while Slurm delivers --signal.
+UNDER_WAY = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SIGNALING")
+
+
 def _wait(env: dict, job: str, timeout: float = 300) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = _state(env, job)
-        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+        if state not in UNDER_WAY:
             return state
         time.sleep(0.5)
     raise AssertionError(f"job {job} still {state} after {timeout} s")
@@ -61,7 +65,7 @@ def _start_again_once_requeued(env: dict, job: str, log: Path, timeout: float) -
     deadline = time.monotonic() + timeout
     while not (log.exists() and "requeueing job" in log.read_text()) or _state(env, job) != "PENDING" or \
             subprocess.run(["pgrep", "-f", rf"slurmstepd: \[{job}\."]).returncode == 0:
-        assert _state(env, job) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"), \
+        assert _state(env, job) in (*UNDER_WAY, "REQUEUED"), \
             f"job {job}: {_state(env, job)}; {log.read_text()[-3000:] if log.exists() else ''}"
         assert time.monotonic() < deadline, f"job {job} not requeued: {_state(env, job)}"
         time.sleep(0.2)
