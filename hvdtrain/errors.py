@@ -35,6 +35,11 @@ class FailedAt(Exception):
 
     exit_code = 1
 
+    def __init__(self, message: str, after_rank_0: bool = False):
+        super().__init__(message)
+        self.after_rank_0 = after_rank_0
+        """Said only if rank 0, which may be failing the same way at the same step, has not said it first."""
+
 
 def message_lines(err: BaseException, count: int = 1) -> str:
     """The first `count` lines of an exception's message, joined into one line."""

@@ -58,7 +58,7 @@ CASES = {
     "resume and overwrite": (["--resume", "--overwrite"], "exclude each other"),
     "unknown flag": (["--epochz", "3"], "No such option '--epochz'. (Did you mean one of: '--epochs'"),
     "elastic without its launcher": (["--elastic"], "--elastic needs processes started by horovodrun in elastic mode"),
-    "iterable data set": (["--data", "user_code:stream"], "its train set is not a map-style Dataset"),
+    "iterable data set": (["--data", "user_code:stream"], "returned an IterableDataset without a length: hvdtrain needs len()"),
     "negative stall timeout": (["--set", "train.stall_timeout=-5"], "config key 'train.stall_timeout' must be 0 (off) or more"),
     "unknown task": (["--task", "ranking"], "unknown task 'ranking': use one of classification, regression"),
     "misspelt task": (["--task", "regresion"], "unknown task 'regresion': did you mean 'regression'?"),

@@ -159,7 +159,7 @@ def stuck_on_rank_1(input_shape, num_classes):
 
 
 def stream():
-    """An IterableDataset: each rank would read its own, unsized stream."""
+    """A pair of IterableDatasets without a length."""
     from torch.utils.data import IterableDataset
 
     class Stream(IterableDataset):
@@ -685,3 +685,35 @@ class StopAtEpochTwo:
     def on_epoch_end(self, state):
         if state.epoch == 2:
             state.stop("epoch two is enough")
+
+
+class _IndexedStream(torch.utils.data.IterableDataset):
+    """A user's IterableDataset with a length: `indexed` data, one sample after another."""
+
+    classes = ["a", "b", "c", "d"]
+
+    def __init__(self, part):
+        self.part = part
+
+    def __len__(self):
+        return len(self.part)
+
+    def __iter__(self):
+        for index in range(len(self.part)):
+            yield self.part[index]
+
+
+def indexed_stream():
+    train, val = indexed()
+    return _IndexedStream(train), _IndexedStream(val)
+
+
+class _ShortStream(_IndexedStream):
+    """An IterableDataset whose len() says more than one pass yields."""
+
+    def __len__(self):
+        return len(self.part) + 100
+
+
+def short_stream():
+    return _ShortStream(indexed()[0])

@@ -56,6 +56,8 @@ def report_and_exit(err: Exception, debug: bool) -> None:
             click.echo(f"hvdtrain: {err}", err=True)
         sys.exit(err.exit_code)
     if isinstance(err, FailedAt):  # only the failing rank knows why: it says so itself
+        if err.after_rank_0:  # rank 0's own line of the same failure ends the job (and this rank) first
+            time.sleep(AFTER_RANK_0_SECONDS)
         fail(str(err), err.exit_code, debug, every_rank=True)
     if isinstance(err, RankFailed):
         fail(str(err), UserError.exit_code if err.kind == "UserError" else 1, debug)
@@ -72,6 +74,11 @@ def _collective_failure(err: Exception) -> bool:
     (asked of the engines loaded, so a torch-only install never imports Horovod for it)."""
     engines = (sys.modules.get(name) for name in ("hvdtrain.engine.horovod", "hvdtrain.engine.torch_distributed"))
     return any(engine is not None and engine.is_collective_failure(err) for engine in engines)
+
+
+# Bad data met mid-run on a rank other than 0 is said by that rank, after this long: where rank 0
+# met it too (the same batch shapes, the same task), rank 0's line comes first and ends the job.
+AFTER_RANK_0_SECONDS = 3.0
 
 
 def fail(message: str, code: int, debug: bool, every_rank: bool = False, wait: bool = True) -> NoReturn:

@@ -19,21 +19,19 @@ from hvdtrain.errors import UserError
 @dataclass
 class DataConfig:
     name: str = "digits"
-    """Data set: `digits` (scikit-learn's 8x8 digits, no download), `random` (synthetic),
-    a path to an `.npz` file with arrays `x` and `y`, a directory of `x.npy` and `y.npy`
-    (memory-mapped; or `train/` and `val/` directories of them), a token file `.bin`
-    (memory-mapped; `val.bin` beside a `train.bin` is its validation part), a Hugging Face
-    `save_to_disk` directory, `.arrow` or `.parquet` file (columns by data.input_columns and
-    data.target_column), or
-    `package.module:function` returning a torch Dataset or a (train, val) pair of them."""
+    """Data set: `digits` (scikit-learn's 8x8 digits), `random` (synthetic), an `.npz` file of
+    `x` and `y`, a directory of `x.npy` and `y.npy` (memory-mapped; or `train/` and `val/` of them),
+    a token file `.bin` (memory-mapped; `val.bin` beside `train.bin` is its validation part), a
+    Hugging Face `save_to_disk` directory, `.arrow` or `.parquet` file, WebDataset tar shards (a
+    directory of `.tar`, `shards/{000..009}.tar` or `shards/*.tar`, read as a stream), or
+    `package.module:function` returning a torch Dataset, an IterableDataset with a length, or a (train, val) pair."""
     batch_size: int = 64
     """Samples per process per step. dist: the global batch is batch_size x world size x train.accumulate."""
     val_fraction: float = 0.2
-    """Share of a single data set held out for validation (ignored when the source gives a (train, val) pair)."""
+    """Share of a data set held out for validation (unless the source gives a (train, val) pair)."""
     num_workers: int = -1
-    """DataLoader worker processes per rank, training and validation loaders together (validation
-    gets a quarter); -1 chooses: none for data held in tensors or on the CPU, else up to 4 per GPU
-    process from the cores it has."""
+    """DataLoader worker processes per rank, training and validation loaders together (validation a
+    quarter); -1: none for data held in tensors or on the CPU, else up to 4 per GPU process."""
     samples: int = 4096
     """`random` only: number of samples."""
     features: int = 64
@@ -45,13 +43,14 @@ class DataConfig:
     token_dtype: str = "uint16"
     """Token files only: the width of a token id, uint16 (vocabularies up to 65536) or uint32."""
     input_columns: Optional[str] = None
-    """Hugging Face data only: the input columns, comma-separated (None: every column but the
-    target; several make a dict of named inputs)."""
+    """Hugging Face data and shards: the input columns (a shard's: extensions), comma-separated
+    (None: every column but the target; several make a dict of named inputs)."""
     target_column: Optional[str] = None
-    """Hugging Face data only: the target column (None: `label`, else `labels`, else none)."""
+    """Hugging Face data and shards: the target column (None: `label` or `labels`; shards: `cls` first)."""
+    shuffle_buffer: int = 1000
+    """Streams (shards, an IterableDataset): samples per rank held and served in a shuffled order."""
     num_classes: Optional[int] = None
-    """Classes (or vocabulary size) handed to the model when the data set does not say: a
-    Dataset without a `classes` or `num_classes` attribute whose labels are not held in memory."""
+    """Classes (or vocabulary size) for the model when the data set does not say (no `classes` attribute, labels not held)."""
     collate: Optional[str] = None
     """How samples become a batch: None (PyTorch's default: stacks tensors, keeps tuples and
     dicts), `pad` (pads variable-length sequences to the longest in the batch: targets
@@ -67,6 +66,7 @@ class DataConfig:
         _require(self.features >= 1, "data.features", f"must be at least 1, got {self.features}")
         _require(self.classes >= 2, "data.classes", f"must be at least 2, got {self.classes}")
         _require(self.context >= 1, "data.context", f"must be at least 1, got {self.context}")
+        _require(self.shuffle_buffer >= 1, "data.shuffle_buffer", f"must be at least 1, got {self.shuffle_buffer}")
         _require(self.token_dtype in ("uint16", "uint32"), "data.token_dtype",
                  f"must be uint16 or uint32, got '{self.token_dtype}'")
         if self.num_classes is not None:

@@ -73,7 +73,7 @@ class _SeededInWorkers(Dataset):
         if seed is not None:
             seed_generators(seed)
         own = getattr(self.dataset, "__getitems__", None)
-        return own(list(indices)) if own is not None else [self.dataset[i] for i in indices]
+        return own(indices) if own is not None else [self.dataset[i] for i in indices]  # a StreamBatch kept whole
 
 
 def collate_function(name: str | None, ignore_index: int, target_key: str) -> Callable[[list[Any]], Any] | None:

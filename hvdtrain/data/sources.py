@@ -11,14 +11,17 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import ConcatDataset, Dataset, TensorDataset
+from torch.utils.data import ConcatDataset, Dataset, IterableDataset, TensorDataset
 
 from hvdtrain.config import DataConfig
 from hvdtrain.data.batch import split_batch
-from hvdtrain.data import huggingface, introspect, mapped
+from hvdtrain.data import huggingface, introspect, mapped, shards
+from hvdtrain.data.mapped import HeldOut
+from hvdtrain.data.streams import IterableSource, StreamDataset, iterable_length, iterable_parts
 from hvdtrain.errors import UserError
 from hvdtrain.factory import call_factory, is_factory_path
 
@@ -54,6 +57,8 @@ def _build(cfg: DataConfig, seed: int, target_key: str) -> DataSplit:
         return _from_factory(cfg, seed, target_key)
     if cfg.name not in BUILT_IN and huggingface.is_hugging_face(cfg.name):
         return _hugging_face(cfg)
+    if cfg.name not in BUILT_IN and shards.is_shards(cfg.name):
+        return _streamed_shards(cfg, seed)
     if cfg.name not in BUILT_IN and mapped.is_array_directory(cfg.name):
         return _mapped_arrays(*mapped.array_parts(Path(cfg.name), cfg.val_fraction))
     if mapped.is_token_file(cfg.name):
@@ -81,11 +86,14 @@ def build_part(cfg: DataConfig, seed: int, target_key: str, part: str, need_targ
         return getattr(build_data(cfg, seed, target_key), part)
     if _is_factory(cfg):
         made = call_factory(cfg.name, "data set", {})
-        if isinstance(made, tuple) and len(made) == 2:
-            return ConcatDataset(list(made))
-        return made
+        parts = list(made) if isinstance(made, tuple) and len(made) == 2 else [made]
+        parts = [StreamDataset(IterableSource(part, HeldOut(iterable_length(part, cfg.name)), cfg.name), seed)
+                 if isinstance(part, IterableDataset) else part for part in parts]
+        return parts[0] if len(parts) == 1 else ConcatDataset(parts)
     if cfg.name not in BUILT_IN and huggingface.is_hugging_face(cfg.name):
         return huggingface.whole(cfg.name, cfg.input_columns, cfg.target_column)
+    if cfg.name not in BUILT_IN and shards.is_shards(cfg.name):
+        return StreamDataset(shards.whole(cfg.name, cfg.input_columns, cfg.target_column), seed)
     if cfg.name not in BUILT_IN and (mapped.is_array_directory(cfg.name) or mapped.is_token_file(cfg.name)):
         return mapped.whole(Path(cfg.name), cfg.token_dtype, cfg.context)
     x, y = _tensors(cfg, seed, need_targets)
@@ -105,8 +113,8 @@ def _tensors(cfg: DataConfig, seed: int, need_targets: bool = True) -> tuple[tor
         return _npz(Path(cfg.name), need_targets)
     if "/" in cfg.name or Path(cfg.name).exists():
         found = "is not one of these" if Path(cfg.name).exists() else "does not exist"
-        raise UserError(f"data path '{cfg.name}' {found}: give a directory of x.npy and y.npy, an .npz file "
-                        "or a .bin token file")
+        raise UserError(f"data path '{cfg.name}' {found}: give a directory of x.npy and y.npy, an .npz file, "
+                        "a .bin token file or .tar shards")
     raise UserError(
         f"unknown data set '{cfg.name}': use one of {', '.join(BUILT_IN)}, a path to an .npz file, a directory "
         "of .npy arrays, a .bin token file, or package.module:function"
@@ -186,6 +194,21 @@ def _mapped_arrays(train: mapped.MappedArrays, val: mapped.MappedArrays) -> Data
 HELD_TARGETS_LIMIT = 128 << 20
 
 
+def _streamed_shards(cfg: DataConfig, seed: int) -> DataSplit:
+    train, val = shards.shard_parts(cfg.name, cfg.input_columns, cfg.target_column, cfg.val_fraction)
+    held = shards.held_labels(train, val)
+    return _streamed(StreamDataset(train, seed), StreamDataset(val, seed), held,
+                     None if held is None else int(held.max()) + 1)
+
+
+def _streamed(train: StreamDataset, val: StreamDataset, held: torch.Tensor | None, classes: int | None,
+              target_key: str = "labels") -> DataSplit:
+    """What the first sample says of a stream's samples (reading no further)."""
+    inputs, target = split_batch(train[0], target_key)
+    dtype = torch.as_tensor(target).dtype if introspect.shape_of(target) is not None else None
+    return DataSplit(train, val, introspect.shape_of(inputs), classes, introspect.shape_of(target), held, dtype)
+
+
 def _hugging_face(cfg: DataConfig) -> DataSplit:
     train, val, classes = huggingface.parts(cfg.name, cfg.input_columns, cfg.target_column, cfg.val_fraction)
     inputs, target = split_batch(train[0], "labels")
@@ -215,6 +238,9 @@ def _require_finite(path: Path, key: str, values: np.ndarray) -> None:
 
 def _from_factory(cfg: DataConfig, seed: int, target_key: str) -> DataSplit:
     made = call_factory(cfg.name, "data set", {})
+    if isinstance(made, IterableDataset) or (isinstance(made, tuple) and any(isinstance(part, IterableDataset)
+                                                                               for part in made)):
+        return _from_iterable(cfg, made, seed, target_key)
     if isinstance(made, tuple) and len(made) == 2:
         train, val = made
     elif isinstance(made, Dataset):
@@ -235,6 +261,23 @@ def _from_factory(cfg: DataConfig, seed: int, target_key: str) -> DataSplit:
     dtype = torch.as_tensor(target).dtype if introspect.shape_of(target) is not None else None
     return DataSplit(train, val, introspect.shape_of(inputs), introspect.num_classes(train, val),
                      introspect.shape_of(target), introspect.held_targets(train, val), dtype)
+
+
+def _from_iterable(cfg: DataConfig, made: Any, seed: int, target_key: str) -> DataSplit:
+    """A factory's IterableDataset (or a pair of them): read as a stream, split by rank and worker here."""
+    if isinstance(made, tuple):
+        if len(made) != 2 or not all(isinstance(part, IterableDataset) for part in made):
+            raise UserError(f"data factory '{cfg.name}' returned {len(made)} data sets, not all IterableDatasets: "
+                            "return one IterableDataset, or a (train, val) pair of them")
+        train_source, val_source = (IterableSource(part, HeldOut(iterable_length(part, cfg.name)), cfg.name)
+                                    for part in made)
+    else:
+        train_source, val_source = iterable_parts(made, cfg.name, cfg.val_fraction)
+    train, val = StreamDataset(train_source, seed), StreamDataset(val_source, seed)
+    if len(train) == 0 or len(val) == 0:
+        raise UserError(f"data factory '{cfg.name}' gave an empty {'train' if len(train) == 0 else 'val'} set")
+    return _streamed(train, val, None, introspect.num_classes(made[0] if isinstance(made, tuple) else made),
+                     target_key)
 
 
 # --- splitting -----------------------------------------------------------------

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hvdtrain.config import Config
+from hvdtrain.data.streams import StreamDataset
 from hvdtrain.engine import Engine
 from hvdtrain.engine.base import ElasticState
 from hvdtrain.errors import UserError
@@ -42,6 +43,10 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
     try:
         run = build(config, engine)
         shard(run, config, engine)  # the same checks as without --elastic
+        if isinstance(run.split.train, StreamDataset):  # its ranges are per process: a change would lose its place
+            raise UserError(f"data '{config.data.name}' is read as a stream (tar shards or an IterableDataset), which "
+                            "--elastic does not take yet: train it without --elastic (a stopped run resumes on as "
+                            "many processes), or give a map-style data set")
         check_task(run, config, engine)
         start = start_on_root(config, engine, run)
         start_epoch, step, position, lr_batch = start.epoch, start.step, start.position, start.lr_batch

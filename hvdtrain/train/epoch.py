@@ -54,6 +54,11 @@ def open_run_files(config: Config, engine: Engine, run: Run, run_dir: Path, star
     say(f"hvdtrain: run directory {run_dir}  (world size {engine.size}, "
         f"global batch {run.train_sampler.global_batch * config.train.accumulate}, "
         f"{len(run.train_sampler)} batches per rank per epoch)")
+    dropped = getattr(run.train_sampler, "dropped", 0)
+    if dropped:  # a stream's ranges are whole batches; a map-style set's drop is said in the README
+        say(f"hvdtrain: streamed data: each rank reads its own range of each epoch's stream; the last {dropped:,} "
+            f"of its {len(run.split.train):,} samples are left out (the end of the epoch's shard order: others each "
+            "epoch)")
     return files
 
 
@@ -259,12 +264,28 @@ class _Writer:
 def _located(err: Exception, engine: Engine, position: str) -> Exception:
     """The user's code failed mid-run on this rank (a Dataset, the model, the task): one line
     naming the rank, where in the run, and where in their code. Other failures pass as they are."""
-    if isinstance(err, (UserError, RankFailed, StoppedBySignal, StoppedEarly, FailedAt)) or engine.is_engine_signal(err):
+    if isinstance(err, (RankFailed, StoppedBySignal, StoppedEarly, FailedAt)) or engine.is_engine_signal(err):
         return err
-    located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message_lines(err)}{where(err)}; "
-                       "every rank stops (--debug shows the traceback)")
+    message = _worker_message(err)
+    if isinstance(err, UserError):  # bad data met mid-run: rank 0 says it as always, another rank itself
+        located: Exception = UserError(message) if engine.is_root else \
+            FailedAt(f"rank {engine.rank} failed at {position}: {message}", after_rank_0=True)
+        located.exit_code = UserError.exit_code  # type: ignore[attr-defined]
+    else:
+        located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message}{where(err)}; "
+                           "every rank stops (--debug shows the traceback)")
     located.__cause__ = err
     return located
+
+
+def _worker_message(err: Exception) -> str:
+    """The first line of the message; of an exception a data-loader worker raised (which PyTorch raises
+    again with the worker's traceback as its message), the worker's own message."""
+    text = str(err)
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        last = text.strip().splitlines()[-1]
+        return last.split(": ", 1)[1] if ": " in last else last
+    return message_lines(err)
 
 
 def finish(config: Config, engine: Engine, run: Run, run_dir: Path, totals: Totals,

@@ -17,6 +17,8 @@ from hvdtrain.data import mapped
 from hvdtrain.data.batch import to_device
 from hvdtrain.data.loading import batches, collate_function, data_workers
 from hvdtrain.data.sampler import EvalShardSampler, ShardedBatchSampler
+from hvdtrain.data.stream_sampler import StreamBatchSampler
+from hvdtrain.data.streams import StreamDataset
 from hvdtrain.data.sources import DataSplit, build_data
 from hvdtrain.engine import Engine, GradientSync
 from hvdtrain.errors import UserError, message_lines
@@ -67,7 +69,7 @@ class Run:
     best: tuple[str, bool] = ("val_loss", False)
     """(record key of run.best_metric, whether higher is better)."""
     # Set by `shard`, again whenever the world size changes (elastic training):
-    train_sampler: ShardedBatchSampler | None = None
+    train_sampler: ShardedBatchSampler | StreamBatchSampler | None = None
     train_batches: Any = None
     val_batches: Any = None
     learning_rate: LearningRate | None = None
@@ -102,8 +104,7 @@ def shard(run: Run, config: Config, engine: Engine) -> None:
     batch, accumulate = config.data.batch_size, config.train.accumulate
     train_size = len(run.split.train)
     # dist: each rank takes its slice of every global batch; the same count on every rank.
-    run.train_sampler = ShardedBatchSampler(train_size, batch, engine.rank, engine.size,
-                                            seed=config.train.seed, multiple=accumulate)
+    run.train_sampler = train_sampler(run.split.train, config, engine.rank, engine.size, run.workers[0])
     if len(run.train_sampler) == 0:
         raise UserError(
             f"the training set has {train_size} samples, fewer than one optimizer step needs "
@@ -119,6 +120,17 @@ def shard(run: Run, config: Config, engine: Engine) -> None:
         config.optim, global_batch=run.train_sampler.global_batch * accumulate, batch_size=batch,
         adasum=config.train.adasum, steps_per_epoch=len(run.train_sampler) // accumulate, epochs=config.train.epochs,
     )
+
+
+def train_sampler(dataset: Dataset, config: Config, rank: int, size: int,
+                  workers: int) -> ShardedBatchSampler | StreamBatchSampler:
+    """Rank `rank`'s batches of the training set: a slice of every global batch, or for a stream
+    (tar shards, an IterableDataset) a range of the epoch's stream that it reads front to back."""
+    batch, accumulate, seed = config.data.batch_size, config.train.accumulate, config.train.seed
+    if isinstance(dataset, StreamDataset):
+        return StreamBatchSampler(len(dataset), batch, rank, size, seed=seed, multiple=accumulate,
+                                  buffer=config.data.shuffle_buffer, workers=workers)
+    return ShardedBatchSampler(len(dataset), batch, rank, size, seed=seed, multiple=accumulate)
 
 
 def check_task(run: Run, config: Config, engine: Engine) -> None:

@@ -1,0 +1,212 @@
+"""Data read as a stream: WebDataset-style tar shards (hvdtrain.data.shards) and a user's
+IterableDataset with a length (hvdtrain.data.streams), sharded by rank into contiguous ranges of
+each epoch's stream (hvdtrain.data.stream_sampler). In-process: every sample of an epoch served once
+across ranks and data-loader workers, the order by (seed, epoch), a resume inside an epoch, what the
+shards say of themselves, bad input. Under the launchers: stopped inside an epoch and resumed, the
+weights of a run never stopped, on both engines."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import LAUNCHERS, assert_same_weights, final_weights, launch_env, requires_launchers
+from hvdtrain.config import DataConfig
+from hvdtrain.data.loading import batches
+from hvdtrain.data.sources import build_data, build_part
+from hvdtrain.data.stream_sampler import StreamBatchSampler
+from hvdtrain.data.streams import StreamDataset
+from hvdtrain.errors import UserError
+
+COUNTS = (50, 37, 61, 12, 40)  # five shards of unequal sizes: not divisible by ranks x workers
+
+
+def write_shards(directory: Path, counts: tuple[int, ...] = COUNTS, features: int = 11, classes: int = 4,
+                 prefix: str = "part") -> Path:
+    """Shards of samples `NNNNNN.npy` (features, then the sample's number as the last column) and
+    `NNNNNN.cls` (a label a linear teacher gives the features)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = np.random.default_rng(3)
+    teacher = generator.standard_normal((features, classes))
+    number = 0
+    for shard, count in enumerate(counts):
+        with tarfile.open(directory / f"{prefix}-{shard:04d}.tar", "w") as tar:
+            for _ in range(count):
+                x = generator.standard_normal(features).astype(np.float32)
+                buffer = io.BytesIO()
+                np.save(buffer, np.append(x, np.float32(number)))
+                _add(tar, f"{number:06d}.npy", buffer.getvalue())
+                _add(tar, f"{number:06d}.cls", str(int((x @ teacher).argmax())).encode())
+                number += 1
+    return directory
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _served(dataset: StreamDataset, sampler: StreamBatchSampler, workers: int) -> list[int]:
+    """The sample numbers one rank's loader serves, in order, through real data-loader workers."""
+    return [int(n) for x, _ in batches(dataset, sampler, workers, False) for n in x[:, -1].tolist()]
+
+
+def test_every_sample_of_an_epoch_is_served_once_across_ranks_and_workers_in_an_order_of_seed_and_epoch(tmp_path):
+    """Five shards of 200 samples (160 for training), 2 or 3 ranks, 0 or 3 data-loader workers each:
+    every training sample of an epoch served once, but for fewer than a global batch at the end of the
+    epoch's shard order; the same order for the same seed and any number of workers, another each epoch;
+    each rank reads its own range, at most two shards shared with another rank."""
+    split = build_data(DataConfig(name=str(write_shards(tmp_path / "shards")), val_fraction=0.2), seed=1)
+    train = split.train
+    assert isinstance(train, StreamDataset) and len(train) == 161 and len(split.val) == 39
+    orders = {}
+    for world, workers in ((2, 0), (2, 3), (3, 2)):
+        for epoch in (1, 2):
+            per_rank = []
+            for rank in range(world):
+                sampler = StreamBatchSampler(len(train), 5, rank, world, seed=1, buffer=16, workers=workers)
+                sampler.set_epoch(epoch)
+                per_rank.append(_served(train, sampler, workers))
+            served = [n for numbers in per_rank for n in numbers]
+            assert len(set(served)) == len(served) == len(train) - sampler.dropped  # once each
+            assert sampler.dropped < 5 * world and len({len(numbers) for numbers in per_rank}) == 1
+            orders[(world, workers, epoch)] = per_rank
+    assert orders[(2, 0, 1)] == orders[(2, 3, 1)] and orders[(2, 0, 2)] == orders[(2, 3, 2)]  # workers change nothing
+    assert orders[(2, 0, 1)] != orders[(2, 0, 2)]  # another order each epoch
+    # A resume inside the epoch (after 7 of a rank's batches) serves the rest, with other workers too.
+    sampler = StreamBatchSampler(len(train), 5, 1, 2, seed=1, buffer=16, workers=2)
+    sampler.set_epoch(2, start=7 * 10)
+    assert _served(train, sampler, 2) == orders[(2, 0, 2)][1][35:]
+    again = build_data(DataConfig(name=str(tmp_path / "shards"), val_fraction=0.2), seed=2).train
+    other = StreamBatchSampler(len(again), 5, 0, 2, seed=2, buffer=16)
+    other.set_epoch(1)
+    assert _served(again, other, 0) != orders[(2, 0, 1)][0]  # another seed, another order
+
+
+def test_shards_say_what_they_hold_by_directory_pattern_or_glob(tmp_path):
+    directory = write_shards(tmp_path / "shards")
+    for name in (str(directory), str(directory / "part-{0000..0004}.tar"), str(directory / "*.tar")):
+        split = build_data(DataConfig(name=name), seed=0)
+        assert (len(split.train), len(split.val)) == (161, 39) and split.input_shape == (12,)
+        assert split.num_classes == 4 and split.target_shape == () and split.target_dtype == torch.int64
+        assert split.held_targets.shape == (200,)
+    assert [int(split.val[i][0][-1]) for i in range(3)] == [4, 9, 14]  # every 5th of each shard, in their order
+    whole = build_part(DataConfig(name=str(directory)), 0, "labels", "all")
+    assert len(whole) == 200 and [int(whole[i][0][-1]) for i in (0, 57, 199)] == [0, 57, 199]
+    write_shards(tmp_path / "apart" / "train", (30, 30))
+    write_shards(tmp_path / "apart" / "val", (10,))
+    apart = build_data(DataConfig(name=str(tmp_path / "apart"), input_columns="npy", target_column="cls"), seed=0)
+    assert (len(apart.train), len(apart.val)) == (60, 10)
+
+
+def _bad(tmp_path: Path, case: str) -> DataConfig:
+    shards = write_shards(tmp_path / "shards", (6, 6))
+    if case == "not a tar file":
+        (shards / "part-0001.tar").write_text("not a tar file")
+    if case == "missing shard":
+        return DataConfig(name=str(shards / "part-{0000..0002}.tar"))
+    if case == "no such column":
+        return DataConfig(name=str(shards), input_columns="jpg")
+    if case == "image that does not decode":
+        with tarfile.open(shards / "part-0000.tar", "w") as tar:
+            for number in range(6):
+                _add(tar, f"{number:06d}.png", b"\x89PNG but not really")
+                _add(tar, f"{number:06d}.cls", b"1")
+    if case == "text label":
+        with tarfile.open(shards / "part-0001.tar", "a") as tar:
+            buffer = io.BytesIO()
+            np.save(buffer, np.zeros(12, dtype=np.float32))
+            _add(tar, "000099.npy", buffer.getvalue())
+            _add(tar, "000099.cls", b"cat")
+    return DataConfig(name=str(shards), val_fraction=0.5)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("not a tar file", r"shard '.*part-0001.tar' is not a readable tar file"),
+    ("missing shard", r"shard '.*part-0002.tar' does not exist \(1 of 3 named shards are missing\)"),
+    ("no such column", r"have no column 'jpg' \(the first sample has npy, cls\): choose with data.input_columns"),
+    ("image that does not decode", r"shard '.*part-0000.tar': sample '000000' does not decode \(.*\): write it again"),
+    ("text label", r"member '000099.cls' holds 'cat', not an integer label"),
+])
+def test_bad_shards_are_one_line_each(tmp_path, case, message):
+    with pytest.raises(UserError, match=message) as caught:
+        build_data(_bad(tmp_path, case), seed=0)
+    assert "\n" not in str(caught.value)
+
+
+def test_an_iterable_dataset_with_a_length_is_a_stream_and_one_without_is_refused():
+    split = build_data(DataConfig(name="user_code:indexed_stream"), seed=0)
+    assert isinstance(split.train, StreamDataset) and (len(split.train), len(split.val)) == (1600, 400)
+    assert split.num_classes == 4 and split.input_shape == (12,)
+    sampler = StreamBatchSampler(1600, 32, 1, 2, seed=0, buffer=100, workers=2)
+    sampler.set_epoch(1)
+    served = _served(split.train, sampler, 2)
+    assert len(served) == 800 and sorted(served) == list(range(800, 1600))  # rank 1's half, once each
+    with pytest.raises(UserError, match="returned an IterableDataset without a length: hvdtrain needs len()"):
+        build_data(DataConfig(name="user_code:stream"), seed=0)
+    short = build_data(DataConfig(name="user_code:short_stream"), seed=0).train
+    with pytest.raises(UserError, match="its IterableDataset ended after 1600 samples, but its len\\(\\) says 1700"):
+        short.__getitems__([len(short) - 1])
+
+
+# --- under the launchers -------------------------------------------------------------------------
+
+
+def _fit(launcher: str | None, data: str, run_dir: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    prefix = list(LAUNCHERS[launcher]) if launcher else []
+    return subprocess.run([*prefix, "hvdtrain", "fit", "--data", data, "--epochs", "2", "--threads", "1",
+                           "--batch-size", "16", "--progress", "off", "--model", "user_code:records_indices",
+                           "--set", "run.stop_check_seconds=0", "--set", "data.shuffle_buffer=64", *args,
+                           "--run-dir", str(run_dir)],
+                          env={**launch_env(), **env}, capture_output=True, text=True, timeout=240)
+
+
+STREAMS = {  # stream -> (launcher, arguments beyond the data)
+    "shards": ("horovodrun-gloo", ["--set", "data.num_workers=2"]),
+    "iterable": ("torchrun", []),
+}
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stream", STREAMS)
+def test_a_stream_stopped_inside_an_epoch_resumes_on_as_many_processes_to_the_weights_of_a_run_never_stopped(
+        stream, tmp_path):
+    """2 ranks (the Horovod engine with 2 data-loader workers per rank on tar shards, the torch engine on
+    a user's IterableDataset): a run never stopped trains on every sample of each epoch once (what the
+    model records), in another order each epoch; the same run stopped by SIGTERM in the middle of epoch 2
+    refuses to resume on 1 process (one line: each rank had its own range), and on 2 it ends with the
+    weights of the run never stopped."""
+    launcher, args = STREAMS[stream]
+    data = str(write_shards(tmp_path / "shards", (400, 300, 500, 300, 505))) if stream == "shards" \
+        else "user_code:indexed_stream"
+    whole, cut, record = tmp_path / "whole", tmp_path / "cut", tmp_path / "record"
+    record.mkdir()
+    done = _fit(launcher, data, whole, *args, HVDTRAIN_TEST_RECORD=str(record))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert stream == "iterable" or "streamed data: each rank reads its own range of each epoch's stream; the last 4 of its 1,604 samples are left out" in done.stdout
+    per_rank = [path.read_text().split() for path in sorted(record.iterdir())]
+    steps = json.loads((whole / "metrics.jsonl").read_text().splitlines()[0])["step"]
+    assert len(per_rank) == 2 and all(len(numbers) == 2 * steps * 16 for numbers in per_rank)
+    epochs = [Counter(n for numbers in per_rank for n in numbers[e * steps * 16:(e + 1) * steps * 16]) for e in (0, 1)]
+    assert all(max(epoch.values()) == 1 and sum(epoch.values()) == 2 * steps * 16 for epoch in epochs)
+    assert [numbers[:16] for numbers in per_rank] != [numbers[steps * 16:steps * 16 + 16] for numbers in per_rank]
+    stopped = _fit(launcher, data, cut, *args, HVDTRAIN_TEST_SIGNAL=f"1:{steps + steps // 2}:SIGTERM")
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    alone = _fit(None, data, cut, *args, "--resume")
+    errors = [line for line in alone.stderr.splitlines() if line.startswith("hvdtrain: error:")]
+    assert alone.returncode == 2 and len(errors) == 1 and "resume on 2 processes" in errors[0], alone.stderr[-2000:]
+    resumed = _fit(launcher, data, cut, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "samples into epoch 2" in resumed.stdout
+    assert_same_weights(final_weights(whole), final_weights(cut), atol=0)
