@@ -3,8 +3,8 @@
 The epoch's stream (hvdtrain.data.streams) is cut into W ranges of N x B samples, N the same for
 every rank (a multiple of train.accumulate): rank r reads its range's shards front to back, and
 its data-loader workers read the same range (each only its own batches' samples, passing over the
-others'). What is left over, fewer than B x W x accumulate samples, is the end of the epoch's shard
-order, so each epoch leaves out other samples. Within a rank's range, blocks of `buffer` samples
+others'). What is left over, fewer than B x W x accumulate samples, is the end of the epoch's
+stream, so each epoch leaves out other samples. Within a rank's range, blocks of `buffer` samples
 (data.shuffle_buffer) are served in an order drawn from (seed, epoch, block): a shuffle buffer whose
 every state follows from the position, so a run resumed inside an epoch serves what it would have.
 
@@ -19,8 +19,8 @@ from typing import Iterator
 import numpy as np
 from torch.utils.data import Sampler
 
-from hvdtrain.data.sampler import FeistelPermutation, batch_seed
-from hvdtrain.data.streams import StreamBatch
+from hvdtrain.data.sampler import FeistelPermutation, ShardedBatchSampler, batch_seed
+from hvdtrain.data.streams import StreamBatch, StreamDataset
 
 
 class StreamBatchSampler(Sampler[list[int]]):
@@ -86,3 +86,14 @@ class StreamBatchSampler(Sampler[list[int]]):
     def next_position(self, done: int) -> int:
         """The first stream position of this rank's block after `done` of its batches (a checkpoint's note)."""
         return self.first + (done * self.batch_size // self.buffer) * self.buffer
+
+
+def training_sampler(dataset: object, batch_size: int, rank: int, world_size: int, *, seed: int, multiple: int,
+                     buffer: int, workers: int) -> ShardedBatchSampler | StreamBatchSampler:
+    """Rank `rank`'s batches of a training set: a slice of every global batch, or for a stream (tar
+    shards, an IterableDataset) a range of the epoch's stream that it reads front to back."""
+    if isinstance(dataset, StreamDataset):
+        return StreamBatchSampler(len(dataset), batch_size, rank, world_size, seed=seed, multiple=multiple,
+                                  buffer=buffer, workers=workers)
+    return ShardedBatchSampler(len(dataset), batch_size, rank, world_size, seed=seed,  # type: ignore[arg-type]
+                               multiple=multiple)

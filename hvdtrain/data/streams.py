@@ -2,7 +2,7 @@
 says its length, behind one map-style Dataset whose index is a position in an epoch's stream.
 
 An epoch's stream is the shards one after another, in an order drawn from (seed, epoch) for
-training and in their own order for evaluation. `StreamBatchSampler` gives each rank one
+training, from a sample drawn too (wrapping around); in their own order for evaluation. `StreamBatchSampler` gives each rank one
 contiguous range of it, so a rank (and each of its data-loader workers) reads its own shards
 sequentially; the reads here follow the positions forward, opening a shard once and passing over
 what another rank or worker reads. A batch may say which positions of a block its worker will be
@@ -60,7 +60,7 @@ class StreamDataset(Dataset):
     def __init__(self, source: Source, seed: int):
         self.source, self.seed = source, seed
         self.counts = np.asarray(source.counts, dtype=np.int64)
-        self._orders: dict[int | None, tuple[np.ndarray, np.ndarray]] = {}
+        self._orders: dict[int | None, tuple[np.ndarray, np.ndarray, int]] = {}
         self._cursor: Cursor | None = None
         self._held: dict[tuple[int | None, int], Any] = {}
         self._pid = os.getpid()
@@ -71,10 +71,14 @@ class StreamDataset(Dataset):
     def locate(self, positions: np.ndarray, epoch: int | None) -> tuple[np.ndarray, np.ndarray]:
         """(shard, sample of the part in the shard) of stream positions."""
         if epoch not in self._orders:
-            order = (np.arange(len(self.counts)) if epoch is None
-                     else np.random.default_rng([self.seed, epoch]).permutation(len(self.counts)))
-            self._orders = {epoch: (order, np.concatenate([[0], np.cumsum(self.counts[order])]))}
-        order, starts = self._orders[epoch]
+            draw = np.random.default_rng([self.seed, epoch]) if epoch is not None else None
+            order = draw.permutation(len(self.counts)) if draw else np.arange(len(self.counts))
+            # The stream begins at a drawn sample, too: what an epoch leaves out at its end differs
+            # each epoch even with one shard (an IterableDataset is one).
+            offset = int(draw.integers(len(self))) if draw else 0
+            self._orders = {epoch: (order, np.concatenate([[0], np.cumsum(self.counts[order])]), offset)}
+        order, starts, offset = self._orders[epoch]
+        positions = (positions + offset) % len(self)
         slot = np.searchsorted(starts, positions, side="right") - 1
         return order[slot], positions - starts[slot]
 

@@ -16,7 +16,9 @@ from hvdtrain.config import Config
 from hvdtrain.data.sources import build_data
 from hvdtrain.tools.doctor import gpus
 from hvdtrain.engine.environment import available_cores
-from hvdtrain.data.sampler import EvalShardSampler, ShardedBatchSampler
+from hvdtrain.data.sampler import EvalShardSampler
+from hvdtrain.data.stream_sampler import training_sampler
+from hvdtrain.data.streams import StreamDataset
 from hvdtrain.train.schedule import LearningRate
 from hvdtrain.tasks import build_task
 
@@ -45,8 +47,8 @@ def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     split = build_data(config.data, config.train.seed, task.target_key)
     n_train, n_val = len(split.train), len(split.val)  # type: ignore[arg-type]
     batch, accumulate = config.data.batch_size, config.train.accumulate
-    samplers = [ShardedBatchSampler(n_train, batch, r, size, seed=config.train.seed, multiple=accumulate)
-                for r in range(size)]
+    samplers = [training_sampler(split.train, batch, r, size, seed=config.train.seed, multiple=accumulate,
+                                 buffer=config.data.shuffle_buffer, workers=0) for r in range(size)]
     for sampler in samplers:
         sampler.set_epoch(1)  # fit's first epoch
     steps = len(samplers[0]) // accumulate
@@ -62,7 +64,7 @@ def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
                   for facts, v, f in zip(ranks, val, first)],
         "batch_per_rank": batch, "accumulate": accumulate, "global_batch": global_batch,
         "steps_per_epoch": steps, "samples_per_epoch": steps * global_batch,
-        "dropped_per_epoch": n_train - steps * global_batch,
+        "dropped_per_epoch": n_train - steps * global_batch, "stream": isinstance(split.train, StreamDataset),
         "lr": {"base": lr.base, "scale": lr.scale, "lr_batch": lr.lr_batch, "peak": lr.base * lr.scale, "first_step": lr(0),
                "warmup_steps": lr.warmup_steps, "schedule": lr.schedule, "total_steps": lr.total_steps,
                "last_step": lr(max(0, lr.total_steps - 1))},
@@ -89,8 +91,9 @@ def render(plan: dict[str, Any]) -> str:
         f"batch: {plan['batch_per_rank']} per rank x {plan['world_size']} ranks{accumulate} = global batch "
         f"{plan['global_batch']} per optimizer step",
         f"steps per epoch: {plan['steps_per_epoch']} ({plan['samples_per_epoch']} samples); "
-        + (f"{dropped} samples of each epoch's shuffle are left out (a different {dropped} each epoch: the last "
-           "partial global batch)" if dropped else "no sample is left out"),
+        + (f"{dropped} samples of each epoch's shuffle are left out (a different {dropped} each epoch: the "
+           f"{'end of the stream' if plan.get('stream') else 'last partial global batch'})" if dropped
+           else "no sample is left out"),
         _lr_line(plan, lr),
         "",
         "first global batch (epoch 1, step 1), indices into the training set:",

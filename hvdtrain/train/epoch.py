@@ -57,7 +57,7 @@ def open_run_files(config: Config, engine: Engine, run: Run, run_dir: Path, star
     dropped = getattr(run.train_sampler, "dropped", 0)
     if dropped:  # a stream's ranges are whole batches; a map-style set's drop is said in the README
         say(f"hvdtrain: streamed data: each rank reads its own range of each epoch's stream; the last {dropped:,} "
-            f"of its {len(run.split.train):,} samples are left out (the end of the epoch's shard order: others each "
+            f"of its {len(run.split.train):,} samples are left out (the end of the epoch's stream: others each "
             "epoch)")
     return files
 

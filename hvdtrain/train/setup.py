@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from hvdtrain.config import Config
 from hvdtrain.data import mapped
 from hvdtrain.data.batch import to_device
 from hvdtrain.data.loading import batches, collate_function, data_workers
 from hvdtrain.data.sampler import EvalShardSampler, ShardedBatchSampler
-from hvdtrain.data.stream_sampler import StreamBatchSampler
-from hvdtrain.data.streams import StreamDataset
+from hvdtrain.data.stream_sampler import StreamBatchSampler, training_sampler
 from hvdtrain.data.sources import DataSplit, build_data
 from hvdtrain.engine import Engine, GradientSync
 from hvdtrain.errors import UserError, message_lines
@@ -124,13 +124,8 @@ def shard(run: Run, config: Config, engine: Engine) -> None:
 
 def train_sampler(dataset: Dataset, config: Config, rank: int, size: int,
                   workers: int) -> ShardedBatchSampler | StreamBatchSampler:
-    """Rank `rank`'s batches of the training set: a slice of every global batch, or for a stream
-    (tar shards, an IterableDataset) a range of the epoch's stream that it reads front to back."""
-    batch, accumulate, seed = config.data.batch_size, config.train.accumulate, config.train.seed
-    if isinstance(dataset, StreamDataset):
-        return StreamBatchSampler(len(dataset), batch, rank, size, seed=seed, multiple=accumulate,
-                                  buffer=config.data.shuffle_buffer, workers=workers)
-    return ShardedBatchSampler(len(dataset), batch, rank, size, seed=seed, multiple=accumulate)
+    return training_sampler(dataset, config.data.batch_size, rank, size, seed=config.train.seed,
+                            multiple=config.train.accumulate, buffer=config.data.shuffle_buffer, workers=workers)
 
 
 def check_task(run: Run, config: Config, engine: Engine) -> None:

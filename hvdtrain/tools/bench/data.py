@@ -9,15 +9,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from torch.utils.data import Sampler
+
 from hvdtrain.config import Config
 from hvdtrain.data.batch import to_device
 from hvdtrain.data.loading import batches
-from hvdtrain.data.sampler import ShardedBatchSampler
 from hvdtrain.engine import Engine
 from hvdtrain.errors import UserError
 from hvdtrain.tools.bench.train import sync
 from hvdtrain.train.loop import apply_gradients, forward_backward
-from hvdtrain.train.setup import Run, build, check_same_data
+from hvdtrain.train.setup import Run, build, check_same_data, train_sampler
 
 
 MIN_SECONDS = 1.0
@@ -30,13 +31,17 @@ def run(config: Config, engine: Engine, worker_counts: list[int], count: int, st
         built = build(config, engine)
     check_same_data(engine, built)
     batch_size = config.data.batch_size
-    sampler = ShardedBatchSampler(len(built.split.train), batch_size, engine.rank, engine.size, seed=config.train.seed)
+
+    def sampler_for(workers: int) -> Sampler[list[int]]:  # a stream's sampler tells each worker what it will read
+        return train_sampler(built.split.train, config, engine.rank, engine.size, workers)
+
+    sampler = sampler_for(0)
     if len(sampler) < 2:
         raise UserError(f"the training set has {len(built.split.train)} samples, fewer than two batches of "
                         f"{batch_size} per process: lower --batch-size")
     with engine.agree("bench.data.input"):
         # Each worker count starts in an order of its own, not on the batches the one before just read.
-        rows = [_input_rate(built, sampler, workers, count, batch_size, 1000 * index)
+        rows = [_input_rate(built, sampler_for(workers), workers, count, batch_size, 1000 * index)
                 for index, workers in enumerate(worker_counts)]
     step = _step_rate(built, config, engine, sampler, steps, batch_size)
     return {"data": config.data.name, "batch_size": batch_size, "world_size": engine.size,
@@ -44,7 +49,7 @@ def run(config: Config, engine: Engine, worker_counts: list[int], count: int, st
             "verdict": verdict(rows, step)}
 
 
-def _input_rate(built: Run, sampler: ShardedBatchSampler, workers: int, count: int, batch_size: int,
+def _input_rate(built: Run, sampler: Any, workers: int, count: int, batch_size: int,
                 epoch: int) -> dict:
     """At least `count` batches and a second (a pause of the machine is a small share), after the first."""
     sampler.set_epoch(epoch)
@@ -67,7 +72,7 @@ def _input_rate(built: Run, sampler: ShardedBatchSampler, workers: int, count: i
     return {"workers": workers, "samples_per_s": done * batch_size / seconds, "first_batch_s": first}
 
 
-def _step_rate(built: Run, config: Config, engine: Engine, sampler: ShardedBatchSampler, steps: int,
+def _step_rate(built: Run, config: Config, engine: Engine, sampler: Sampler[list[int]], steps: int,
                batch_size: int) -> float:
     batch = to_device(next(iter(batches(built.split.train, sampler, 0, False, built.collate))), engine.device,
                       config.train.channels_last)
