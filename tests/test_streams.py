@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import tarfile
 from collections import Counter
@@ -90,6 +91,30 @@ def test_every_sample_of_an_epoch_is_served_once_across_ranks_and_workers_in_an_
     other = StreamBatchSampler(len(again), 5, 0, 2, seed=2, buffer=16)
     other.set_epoch(1)
     assert _served(again, other, 0) != orders[(2, 0, 1)][0]  # another seed, another order
+
+
+@pytest.mark.parametrize("sizes, buffer, batch, accumulate", [((2, 3, 1), 16, 5, 1), ((3, 2, 4), 7, 4, 2),
+                                                                ((2, 1, 2), 64, 16, 1), ((4, 3, 2), 5, 3, 1)])
+def test_a_change_of_processes_inside_an_epoch_serves_what_no_rank_had_served_each_once(sizes, buffer, batch,
+                                                                                         accumulate):
+    """An epoch of 1003 positions begun on one number of processes, checkpointed, gone on with on a
+    second and a third (from each checkpoint's plan, as a resume or an elastic reset would): every
+    position served at most once, and all but fewer than the last global batch x accumulate."""
+    served, state, start = [], None, 0
+    for stage, world in enumerate(sizes):
+        samplers = [StreamBatchSampler(1003, batch, rank, world, seed=3, multiple=accumulate, buffer=buffer)
+                    for rank in range(world)]
+        for sampler in samplers:
+            if state is not None:
+                sampler.resume_plan(2, state)
+            sampler.set_epoch(2, start)
+        last = stage == len(sizes) - 1
+        steps = samplers[0].num_batches if last else samplers[0].num_batches // 2
+        served += [p for sampler in samplers for b in list(sampler)[:steps] for p in b]
+        start += steps * batch * world
+        state = samplers[0].plan_state(start)
+    assert len(set(served)) == len(served) and 1003 - len(served) < sizes[-1] * batch * accumulate
+    assert min(served) >= 0 and max(served) < 1003 and len(state["runs"]) > 1  # a plan of what was left
 
 
 def test_shards_say_what_they_hold_by_directory_pattern_or_glob(tmp_path):
@@ -178,37 +203,52 @@ STREAMS = {  # stream -> (launcher, arguments beyond the data)
 }
 
 
+def _records(folder: Path) -> list[list[int]]:
+    """What each process trained on, in order (user_code:records_indices writes a file per process)."""
+    return [[int(n) for n in path.read_text().split()] for path in sorted(folder.iterdir())]
+
+
 @pytest.mark.multiprocess
 @requires_launchers
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stream", STREAMS)
-def test_a_stream_stopped_inside_an_epoch_resumes_on_as_many_processes_to_the_weights_of_a_run_never_stopped(
+def test_a_stream_stopped_inside_an_epoch_resumes_exactly_on_as_many_processes_and_on_fewer_serves_the_rest(
         stream, tmp_path):
     """2 ranks (the Horovod engine with 2 data-loader workers per rank on tar shards, the torch engine on
     a user's IterableDataset): a run never stopped trains on every sample of each epoch once (what the
-    model records), in another order each epoch; the same run stopped by SIGTERM in the middle of epoch 2
-    refuses to resume on 1 process (one line: each rank had its own range), and on 2 it ends with the
-    weights of the run never stopped."""
+    model records), in another order each epoch. The same run stopped by SIGTERM in the middle of epoch 2
+    and resumed on 2 processes ends with the weights of the run never stopped; resumed on 1 process
+    instead, it trains on the samples of epoch 2 that no rank had reached, each once."""
     launcher, args = STREAMS[stream]
     data = str(write_shards(tmp_path / "shards", (400, 300, 500, 300, 505))) if stream == "shards" \
         else "user_code:indexed_stream"
-    whole, cut, record = tmp_path / "whole", tmp_path / "cut", tmp_path / "record"
-    record.mkdir()
-    done = _fit(launcher, data, whole, *args, HVDTRAIN_TEST_RECORD=str(record))
+    whole, cut, alone = tmp_path / "whole", tmp_path / "cut", tmp_path / "alone"
+    for folder in ("whole-record", "cut-record", "alone-record"):
+        (tmp_path / folder).mkdir()
+    done = _fit(launcher, data, whole, *args, HVDTRAIN_TEST_RECORD=str(tmp_path / "whole-record"))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert stream == "iterable" or "streamed data: each rank reads its own range of each epoch's stream; the last 4 of its 1,604 samples are left out (the end of the epoch's stream" in done.stdout
-    per_rank = [path.read_text().split() for path in sorted(record.iterdir())]
+    assert stream == "iterable" or "streamed data: each rank reads its own range of each epoch's stream; the last 4 " \
+        "of its 1,604 samples are left out (the end of the epoch's stream" in done.stdout
+    per_rank = _records(tmp_path / "whole-record")
     steps = json.loads((whole / "metrics.jsonl").read_text().splitlines()[0])["step"]
-    assert len(per_rank) == 2 and all(len(numbers) == 2 * steps * 16 for numbers in per_rank)
-    epochs = [Counter(n for numbers in per_rank for n in numbers[e * steps * 16:(e + 1) * steps * 16]) for e in (0, 1)]
-    assert all(max(epoch.values()) == 1 and sum(epoch.values()) == 2 * steps * 16 for epoch in epochs)
-    assert [numbers[:16] for numbers in per_rank] != [numbers[steps * 16:steps * 16 + 16] for numbers in per_rank]
-    stopped = _fit(launcher, data, cut, *args, HVDTRAIN_TEST_SIGNAL=f"1:{steps + steps // 2}:SIGTERM")
+    epoch = steps * 16  # samples per rank per epoch
+    assert len(per_rank) == 2 and all(len(numbers) == 2 * epoch for numbers in per_rank)
+    for e in (0, 1):
+        served = [n for numbers in per_rank for n in numbers[e * epoch:(e + 1) * epoch]]
+        assert len(set(served)) == len(served) == 2 * epoch
+    assert [numbers[:16] for numbers in per_rank] != [numbers[epoch:epoch + 16] for numbers in per_rank]
+    stopped = _fit(launcher, data, cut, *args, HVDTRAIN_TEST_SIGNAL=f"1:{steps + steps // 2}:SIGTERM",
+                   HVDTRAIN_TEST_RECORD=str(tmp_path / "cut-record"))
     assert stopped.returncode == 75, stopped.stderr[-3000:]
-    alone = _fit(None, data, cut, *args, "--resume")
-    errors = [line for line in alone.stderr.splitlines() if line.startswith("hvdtrain: error:")]
-    assert alone.returncode == 2 and len(errors) == 1 and "resume on 2 processes" in errors[0], alone.stderr[-2000:]
+    shutil.copytree(cut, alone)
     resumed = _fit(launcher, data, cut, *args, "--resume")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "samples into epoch 2" in resumed.stdout
     assert_same_weights(final_weights(whole), final_weights(cut), atol=0)
+    fewer = _fit(None, data, alone, *args, "--resume", HVDTRAIN_TEST_RECORD=str(tmp_path / "alone-record"))
+    assert fewer.returncode == 0, fewer.stderr[-3000:]
+    before = [n for numbers in _records(tmp_path / "cut-record") for n in numbers[epoch:]]
+    (after,) = _records(tmp_path / "alone-record")
+    assert 0 < len(before) < 2 * epoch and len(set(before + after)) == len(before + after)
+    total = 1604 if stream == "shards" else 1600
+    assert total - 16 < len(before + after) <= total  # all but fewer than one batch of one process

@@ -23,7 +23,8 @@ def fit_options(function: Callable[..., Any]) -> Callable[..., Any]:
 
 _FIT_OPTIONS = [
     click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML file; flags override it."),
-    click.option("--data", help="digits, random, FILE.npz or package.module:function."),
+    click.option("--data", help="digits, random, FILE.npz, a directory of .npy, FILE.bin (tokens), Hugging Face "
+                                "data, tar shards (DIR, 'a-{000..009}.tar') or package.module:function."),
     click.option("--model", help="mlp, cnn or package.module:function."),
     click.option("--task", help="classification, regression, multilabel, language-model or package.module:function."),
     click.option("--epochs", type=int),

@@ -8,8 +8,10 @@ stream, so each epoch leaves out other samples. Within a rank's range, blocks of
 (data.shuffle_buffer) are served in an order drawn from (seed, epoch, block): a shuffle buffer whose
 every state follows from the position, so a run resumed inside an epoch serves what it would have.
 
-The ranges depend on the number of processes (unlike `sampler.ShardedBatchSampler`): a run stopped
-inside an epoch resumes there on as many processes; the data-loader workers may differ.
+The ranges depend on the number of processes (unlike `sampler.ShardedBatchSampler`): when it changes
+inside an epoch (a resume on another number, elastic training), the rest of the epoch is a `Plan` of
+the positions no rank has served yet, cut into ranges for the processes there are now. On the same
+number of processes a resume serves exactly what the run would have; the data-loader workers may differ.
 """
 
 from __future__ import annotations
@@ -23,6 +25,62 @@ from hvdtrain.data.sampler import FeistelPermutation, ShardedBatchSampler, batch
 from hvdtrain.data.streams import StreamBatch, StreamDataset
 
 
+class Plan:
+    """The stream positions an epoch serves, in order, as runs (start, length): all of [0, n) at
+    an epoch's start; after the number of processes changed inside the epoch, those that no rank
+    has served yet (still in the stream's order, so still read front to back)."""
+
+    def __init__(self, starts: np.ndarray, lengths: np.ndarray):
+        keep = lengths > 0
+        self.starts, self.lengths = starts[keep].astype(np.int64), lengths[keep].astype(np.int64)
+        self.ends = np.cumsum(self.lengths)
+
+    @classmethod
+    def whole(cls, n: int) -> "Plan":
+        return cls(np.zeros(1, dtype=np.int64), np.asarray([n], dtype=np.int64))
+
+    @classmethod
+    def of_positions(cls, positions: np.ndarray) -> "Plan":
+        """Sorted distinct positions, as runs."""
+        if len(positions) == 0:
+            return cls(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+        firsts = np.concatenate([[0], breaks])
+        return cls(positions[firsts], np.diff(np.concatenate([firsts, [len(positions)]])))
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def __call__(self, indices: np.ndarray) -> np.ndarray:
+        """The stream positions of plan indices."""
+        run = np.searchsorted(self.ends, indices, side="right")
+        return self.starts[run] + indices - (self.ends[run] - self.lengths[run])
+
+    def part(self, low: int, high: int) -> "Plan":
+        """Plan indices [low, high) as a plan of their own."""
+        if high <= low:
+            return Plan.of_positions(np.zeros(0, dtype=np.int64))
+        first, last = np.searchsorted(self.ends, [low, high - 1], side="right")
+        starts, lengths = self.starts[first:last + 1].copy(), self.lengths[first:last + 1].copy()
+        before = low - (self.ends[first] - self.lengths[first])
+        starts[0] += before
+        lengths[0] -= before
+        lengths[-1] -= self.ends[last] - high
+        return Plan(starts, lengths)
+
+    @staticmethod
+    def joined(plans: list["Plan"]) -> "Plan":
+        return Plan(np.concatenate([p.starts for p in plans]), np.concatenate([p.lengths for p in plans]))
+
+    def state(self) -> list[list[int]]:
+        return np.stack([self.starts, self.lengths], axis=1).tolist()
+
+    @classmethod
+    def from_state(cls, runs: list[list[int]]) -> "Plan":
+        array = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+        return cls(array[:, 0], array[:, 1])
+
+
 class StreamBatchSampler(Sampler[list[int]]):
     """This rank's batches of stream positions for one epoch (call `set_epoch` each epoch)."""
 
@@ -32,27 +90,74 @@ class StreamBatchSampler(Sampler[list[int]]):
         self.seed, self.multiple, self.buffer = seed, multiple, buffer
         self.loaders = max(1, workers)  # who reads: the data-loader workers, batch j to worker j mod loaders
         self.global_batch = batch_size * world_size  # dist
-        self.per_rank = (n // (self.global_batch * multiple)) * multiple
-        self.dropped = n - self.per_rank * self.global_batch
-        self.first = rank * self.per_rank * batch_size  # dist: this rank's range of the stream
+        self.plan_epoch, self.base = None, 0
+        self._use(Plan.whole(n))
         self.set_epoch(0)
 
+    def _use(self, plan: Plan) -> None:
+        self.plan = plan
+        self.per_rank = (len(plan) // (self.global_batch * self.multiple)) * self.multiple
+        self.dropped = len(plan) - self.per_rank * self.global_batch
+        self.first = self.rank * self.per_rank * self.batch_size  # dist: this rank's range of the plan
+
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Selects the epoch's order; `start` samples of all ranks are already done (whole global batches)."""
-        if start % self.global_batch or not 0 <= start <= self.per_rank * self.global_batch:
-            raise ValueError(f"start must be a multiple of {self.global_batch} up to the epoch's end, got {start}")
-        self.epoch, self.done = epoch, start // self.global_batch
+        """Selects the epoch's order; `start` samples of all ranks are already done in it (whole global
+        batches; of an epoch `resume_plan` set, the samples done before its plan count too)."""
+        if epoch != self.plan_epoch:
+            self.plan_epoch, self.base = epoch, 0
+            self._use(Plan.whole(self.n))
+        done = start - self.base
+        if done % self.global_batch or not 0 <= done <= self.per_rank * self.global_batch:
+            raise ValueError(f"start must be {self.base} plus a multiple of {self.global_batch} up to the epoch's "
+                             f"end, got {start}")
+        self.epoch, self.done = epoch, done // self.global_batch
         self.num_batches = self.per_rank - self.done
+
+    def plan_state(self, start: int) -> dict:
+        """What a checkpoint taken `start` samples into the epoch keeps, to go on on any number of processes."""
+        whole = len(self.plan.starts) == 1 and self.plan.starts[0] == 0 and len(self.plan) == self.n
+        return {"world_size": self.world_size, "base": self.base, "runs": None if whole else self.plan.state(),
+                "start": start}
+
+    def resume_plan(self, epoch: int, state: dict) -> None:
+        """Goes on with an epoch that `state` (`plan_state`) was taken in: its plan when the number of
+        processes is the same, else a plan of what no rank of it had served."""
+        plan = Plan.whole(self.n) if state.get("runs") is None else Plan.from_state(state["runs"])
+        self.plan_epoch, self.base = epoch, int(state.get("base", 0))
+        if int(state["world_size"]) == self.world_size:
+            self._use(plan)
+            return
+        before = StreamBatchSampler(self.n, self.batch_size, 0, int(state["world_size"]), seed=self.seed,
+                                    multiple=self.multiple, buffer=self.buffer)
+        before.plan_epoch, before.base, before.epoch = epoch, self.base, epoch
+        before._use(plan)
+        self._use(before.unserved((int(state["start"]) - self.base) // before.global_batch))
+        self.base = int(state["start"])
+
+    def unserved(self, done: int) -> Plan:
+        """The plan's positions that no rank has served after `done` batches each."""
+        left, length = [], self.per_rank * self.batch_size
+        for rank in range(self.world_size):
+            first, served = rank * length, done * self.batch_size
+            number, into = divmod(served, self.buffer)
+            if served < length and into:  # the block under way: what its order had not reached
+                left.append(Plan.of_positions(np.sort(self._block(number, first)[into:])))
+                number += 1
+            left.append(self.plan.part(first + min(number * self.buffer, length), first + length))
+        left.append(self.plan.part(self.world_size * length, len(self.plan)))  # what the plan left out
+        return Plan.joined(left)
 
     def __len__(self) -> int:
         return self.num_batches
 
-    def _block(self, number: int) -> np.ndarray:
-        """Stream positions of this rank's block `number`, in the order they are served."""
+    def _block(self, number: int, first: int | None = None) -> np.ndarray:
+        """Stream positions of block `number` of this rank's range (of the range at plan index `first`),
+        in the order they are served."""
+        first = self.first if first is None else first
         low = number * self.buffer
         size = min(self.buffer, self.per_rank * self.batch_size - low)
-        key = batch_seed(self.seed, self.epoch, self.first + low)
-        return self.first + low + FeistelPermutation(size, key, self.epoch)(np.arange(size, dtype=np.int64))
+        key = batch_seed(self.seed, self.epoch, first + low)
+        return self.plan(first + low + FeistelPermutation(size, key, self.epoch)(np.arange(size, dtype=np.int64)))
 
     def _span(self, batch: int) -> range:
         """The blocks batch `batch` takes samples from."""
@@ -82,10 +187,6 @@ class StreamBatchSampler(Sampler[list[int]]):
             positions = np.concatenate([self._take(blocks[number], number, batch) for number in span])
             seed = batch_seed(self.seed, self.epoch, self.first + batch * self.batch_size)
             yield StreamBatch(positions.tolist(), seed, self.epoch, hints)
-
-    def next_position(self, done: int) -> int:
-        """The first stream position of this rank's block after `done` of its batches (a checkpoint's note)."""
-        return self.first + (done * self.batch_size // self.buffer) * self.buffer
 
 
 def training_sampler(dataset: object, batch_size: int, rank: int, world_size: int, *, seed: int, multiple: int,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hvdtrain.config import Config
-from hvdtrain.data.streams import StreamDataset
+from hvdtrain.data.stream_sampler import StreamBatchSampler
 from hvdtrain.engine import Engine
 from hvdtrain.engine.base import ElasticState
 from hvdtrain.errors import UserError
@@ -40,16 +40,14 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
     error: Exception | None = None
     run: Run | None = None
     start_epoch = step = position = lr_batch = 0
+    stream_plan = None
     try:
         run = build(config, engine)
         shard(run, config, engine)  # the same checks as without --elastic
-        if isinstance(run.split.train, StreamDataset):  # its ranges are per process: a change would lose its place
-            raise UserError(f"data '{config.data.name}' is read as a stream (tar shards or an IterableDataset), which "
-                            "--elastic does not take yet: train it without --elastic (a stopped run resumes on as "
-                            "many processes), or give a map-style data set")
         check_task(run, config, engine)
         start = start_on_root(config, engine, run)
         start_epoch, step, position, lr_batch = start.epoch, start.step, start.position, start.lr_batch
+        stream_plan = start.stream_plan
     except Exception as err:  # noqa: BLE001 - reported on every rank by settle
         error = err
     if error is not None:
@@ -64,6 +62,7 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
         run.model, run.optimizer, before_sync,
         epoch=start_epoch, step=step, position=position, run_dir=str(run.run_dir), scaler=run.precision.state_dict(),
         start_epoch=start_epoch, record=None, train_seconds=0.0, train_samples=0, lr_batch=lr_batch,
+        stream_plan=stream_plan,  # a stream's epoch under way: its ranges are per process (StreamBatchSampler)
     )
     sizes: list[int] = []  # the world size of each attempt
     opened: list[RunFiles] = []  # rank 0's run files of the attempt under way
@@ -102,11 +101,14 @@ def _train(state: ElasticState, run: Run, config: Config, engine: Engine, starte
         def after_step(step: int) -> None:
             if (step - first_step) % config.train.commit_every == 0:
                 state.step, state.position = step, first_position + (step - first_step) * per_step
+                if isinstance(run.train_sampler, StreamBatchSampler):
+                    state.stream_plan = run.train_sampler.plan_state(state.position)
                 commit(state, run)
 
         step = run_epoch(run, config, engine, epoch, state.step, totals, files, store, stream,
-                         start=state.position, after_step=after_step)
+                         start=state.position, after_step=after_step, stream_plan=state.stream_plan)
         state.epoch, state.step, state.position, state.record = epoch, step, 0, totals.record
+        state.stream_plan = None
         state.train_seconds, state.train_samples = totals.train_seconds, totals.train_samples
         commit(state, run)
     return finish(config, engine, run, run_dir, totals, files)

@@ -15,6 +15,7 @@ import torch
 
 from hvdtrain.config import Config
 from hvdtrain.data.loading import seed_generators
+from hvdtrain.data.stream_sampler import StreamBatchSampler
 from hvdtrain.engine import Engine, RankFailed
 from hvdtrain.errors import FailedAt, StoppedBySignal, UserError, message_lines, where
 from hvdtrain.io.checkpoint import CheckpointStore
@@ -65,11 +66,13 @@ def open_run_files(config: Config, engine: Engine, run: Run, run_dir: Path, star
 def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, totals: Totals,
               files: RunFiles | None, store: CheckpointStore, stream: Any, *, start: int = 0,
               after_step: Callable[[int], None] | None = None, check: StepCheck | None = None,
-              resumed: Start | None = None, callbacks: Callbacks | None = None) -> int:
+              resumed: Start | None = None, callbacks: Callbacks | None = None,
+              stream_plan: dict[str, Any] | None = None) -> int:
     """Trains one epoch (from global position `start`), evaluates, and on rank 0 records it
     and checkpoints. Returns the next step number. `check` decides after each step whether to
     checkpoint inside the epoch and whether to stop; `resumed`: the mid-epoch checkpoint this
-    epoch goes on from (its sums and random states); `callbacks`: the user's, called on every rank."""
+    epoch goes on from (its sums and random states); `callbacks`: the user's, called on every rank;
+    `stream_plan`: of a stream, where the epoch stood (elastic training's last commit)."""
     sums = EpochSums()
     if resumed is not None:
         if engine.is_root:  # dist: the reduced sums once, on one rank
@@ -80,6 +83,10 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
             _seed(config.train.seed, epoch, engine.rank)
     else:
         _seed(config.train.seed, epoch, engine.rank)
+    if start and isinstance(run.train_sampler, StreamBatchSampler):  # dist: the epoch under way, maybe on another size
+        plan = stream_plan or (resumed.stream_plan if resumed is not None else None)
+        run.train_sampler.resume_plan(epoch, plan or {"world_size": engine.size, "base": 0, "runs": None,
+                                                      "start": start})
     run.train_sampler.set_epoch(epoch, start)  # dist: a new shuffle, the same on every rank
     epochs = config.train.epochs
     steps = len(run.train_sampler) // config.train.accumulate
@@ -191,6 +198,8 @@ def _mid_epoch_checkpoint(run: Run, config: Config, engine: Engine, store: Check
         saved = _checkpoint_state(run, config, engine, epoch - 1, step)
         saved.update(position=position, sums=[reduced[0], int(reduced[1]), int(reduced[2]), sums.skipped],
                      rng=states)
+        if isinstance(run.train_sampler, StreamBatchSampler):  # where each rank's range stands, for any world size
+            saved.update(stream_plan=run.train_sampler.plan_state(position))
         return saved, epoch - 1, {}
 
     _save_together(engine, store, state, config.run.checkpoint_timeout)

@@ -12,9 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hvdtrain.config import Config
-from hvdtrain.data.stream_sampler import StreamBatchSampler
 from hvdtrain.engine import Engine
-from hvdtrain.errors import UserError
 from hvdtrain.io.checkpoint import CheckpointStore
 from hvdtrain.io.progress import bar_stream
 from hvdtrain.io.run_dir import TIMELINE
@@ -58,10 +56,6 @@ def _fit(config: Config, engine: Engine, started: float, signals: StopSignals) -
     engine.broadcast_parameters(run.model)
     engine.broadcast_optimizer_state(run.optimizer)
     start = engine.broadcast_object(start, "start")
-    if start.position and start.world_size != engine.size and isinstance(run.train_sampler, StreamBatchSampler):
-        raise UserError(f"the checkpoint stopped {start.position:,} samples into epoch {start.epoch + 1} of a stream "
-                        f"read by {start.world_size} processes, each its own range of it: resume on "
-                        f"{start.world_size} processes to go on from there")
     if start.lr_batch and config.optim.lr_batch is None:
         keep_learning_rate(config, start.lr_batch)
         shard(run, config, engine)  # dist: the learning rate for the run's own reference batch

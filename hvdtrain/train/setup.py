@@ -48,6 +48,8 @@ class Start:
     world_size: int = 0
     lr_batch: int = 0
     """The global batch the run's lr is for (0: a fresh run, the config's)."""
+    stream_plan: dict[str, Any] | None = None
+    """Of a stream stopped inside an epoch: what its sampler needs to go on (`StreamBatchSampler.plan_state`)."""
 
 
 @dataclass
@@ -210,7 +212,7 @@ def _restore(config: Config, run: Run, run_dir: Path) -> Start:
     # Checkpoints from before optim.lr_batch: their lr was for one process's batch.
     lr_batch = state.get("lr_batch") or state.get("config", {}).get("data", {}).get("batch_size", 0)
     return Start(int(state["epoch"]), int(state["step"]), position, tuple(sums), state.get("rng"),
-                 int(state.get("world_size", 0)), int(lr_batch))
+                 int(state.get("world_size", 0)), int(lr_batch), state.get("stream_plan"))
 
 
 def _adamw_groups_split(saved: dict[str, Any], optimizer: torch.optim.Optimizer, config: Config,
