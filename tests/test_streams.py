@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import subprocess
 import tarfile
@@ -133,6 +134,29 @@ def test_shards_say_what_they_hold_by_directory_pattern_or_glob(tmp_path):
     assert (len(apart.train), len(apart.val)) == (60, 10)
 
 
+def test_a_shard_is_counted_once_per_version_of_its_file(tmp_path, monkeypatch):
+    """The second start reads the count and labels from the cache (counting would fail here); a
+    rewritten shard is counted again."""
+    from hvdtrain.data import shards
+
+    monkeypatch.setattr(shards, "INDEX_CACHE", tmp_path / "cache")
+    directory = write_shards(tmp_path / "shards", (30, 20))
+    first = build_data(DataConfig(name=str(directory)), seed=0)
+    assert len(list((tmp_path / "cache").glob("*.npz"))) == 2
+    counting = shards.ShardIndex.__init__
+
+    def refuse(self, path, label_column, known=None):
+        assert known is not None, f"{path} counted again"
+        counting(self, path, label_column, known)
+
+    monkeypatch.setattr(shards.ShardIndex, "__init__", refuse)
+    again = build_data(DataConfig(name=str(directory)), seed=0)
+    assert len(again.train) == len(first.train) and torch.equal(again.held_targets, first.held_targets)
+    write_shards(directory, (30, 21))
+    with pytest.raises(AssertionError, match="part-0000.tar counted again"):  # rewritten, if the same
+        build_data(DataConfig(name=str(directory)), seed=0)
+
+
 def _bad(tmp_path: Path, case: str) -> DataConfig:
     shards = write_shards(tmp_path / "shards", (6, 6))
     if case == "not a tar file":
@@ -252,3 +276,30 @@ def test_a_stream_stopped_inside_an_epoch_resumes_exactly_on_as_many_processes_a
     assert 0 < len(before) < 2 * epoch and len(set(before + after)) == len(before + after)
     total = 1604 if stream == "shards" else 1600
     assert total - 16 < len(before + after) <= total  # all but fewer than one batch of one process
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_a_sample_that_does_not_decode_mid_run_is_named_by_the_rank_that_read_it(tmp_path):
+    """Rank 1's first sample of epoch 1, read by a data-loader worker, is not a .npy: rank 1 says which
+    shard and sample, once and without a traceback (at the step whose batch its worker was reading
+    the block for), and every rank stops."""
+    directory = write_shards(tmp_path / "shards", (400, 300))
+    config = DataConfig(name=str(directory), batch_size=16, shuffle_buffer=64)
+    train = build_data(config, seed=0).train
+    sampler = StreamBatchSampler(len(train), 16, 1, 2, seed=0, buffer=64)
+    sampler.set_epoch(1)
+    first = next(iter(sampler))[0]
+    number = int(train[first][0][-1])  # the sample's own number, written as its last feature
+    shard = directory / f"part-{0 if number < 400 else 1:04d}.tar"
+    with tarfile.open(shard) as tar:
+        members = [(member, tar.extractfile(member).read()) for member in tar.getmembers()]
+    with tarfile.open(shard, "w") as tar:
+        for member, data in members:
+            _add(tar, member.name, b"not a numpy array" if member.name == f"{number:06d}.npy" else data)
+    done = _fit("horovodrun-gloo", str(directory), tmp_path / "run", "--set", "data.num_workers=2", "--epochs", "1")
+    output = done.stdout + done.stderr
+    named = [line for line in output.splitlines() if "does not decode" in line]
+    assert done.returncode != 0 and "Traceback" not in output, output[-3000:]
+    assert len(named) == 1 and re.search(rf"rank 1 failed at epoch 1, step \d+: shard '{shard}': sample '{number:06d}' "
+                                         "does not decode", named[0]), output[-3000:]

@@ -17,6 +17,8 @@ shard from a given sample on.
 from __future__ import annotations
 
 import glob
+import hashlib
+import os
 import tarfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -95,11 +97,44 @@ def _open(path: Path) -> tarfile.TarFile:
                         "webdataset's ShardWriter, uncompressed") from err
 
 
+INDEX_CACHE = Path(os.environ.get("HVDTRAIN_CACHE", Path.home() / ".cache" / "hvdtrain")) / "shard-index"
+
+
+def index_of(path: Path, label_column: str | None) -> "ShardIndex":
+    """A shard's index, counted once per version of the file on a host: a later start (and every other
+    rank there) reads it from the cache, keyed by the file's path, size and modification time."""
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{label_column}".encode()).hexdigest()
+    cached = INDEX_CACHE / f"{key}.npz"
+    try:
+        with np.load(cached, allow_pickle=False) as saved:
+            return ShardIndex(path, label_column, (int(saved["count"]), [str(c) for c in saved["columns"]],
+                                                   saved["labels"] if bool(saved["has_labels"]) else None))
+    except (OSError, ValueError, KeyError):
+        pass
+    index = ShardIndex(path, label_column)
+    try:  # written whole or not at all: ranks on a host may write it at once
+        INDEX_CACHE.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f"{key}.{os.getpid()}.tmp.npz")
+        np.savez(partial, count=index.count, columns=np.asarray(index.columns, dtype=str),
+                 labels=index.labels if index.labels is not None else np.zeros(0, dtype=np.int64),
+                 has_labels=index.labels is not None)
+        os.replace(partial, cached)
+    except OSError:  # a read-only home: counted again next time
+        pass
+    return index
+
+
 class ShardIndex:
     """What counting a shard's samples learnt: how many, the columns of its first sample, and its
     integer labels when it has a label column."""
 
-    def __init__(self, path: Path, label_column: str | None):
+    def __init__(self, path: Path, label_column: str | None,
+                 known: tuple[int, list[str], np.ndarray | None] | None = None):
+        """`known`: (count, columns, labels) from the cache, instead of counting."""
+        if known is not None:
+            self.path, (self.count, self.columns, self.labels) = path, known
+            return
         self.path, self.count, self.columns = path, 0, []
         labels: list[int] = []
         tar, key = _open(path), None
@@ -271,7 +306,7 @@ def _indexes(paths: list[Path], target: str | None) -> list[ShardIndex]:
         first = _first_columns(paths[0])
         target = next((column for column in TARGETS if column in first), None)
     label = target if target in LABEL_COLUMNS else None
-    indexes = [ShardIndex(path, label) for path in paths]
+    indexes = [index_of(path, label) for path in paths]
     if sum(index.count for index in indexes) == 0:
         raise UserError(f"the shards from '{paths[0]}' on hold no samples: check that they are tar files of samples")
     return indexes

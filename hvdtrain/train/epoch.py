@@ -276,9 +276,12 @@ def _located(err: Exception, engine: Engine, position: str) -> Exception:
     if isinstance(err, (RankFailed, StoppedBySignal, StoppedEarly, FailedAt)) or engine.is_engine_signal(err):
         return err
     message = _worker_message(err)
-    if isinstance(err, UserError):  # bad data met mid-run: rank 0 says it as always, another rank itself
-        located: Exception = UserError(message) if engine.is_root else \
-            FailedAt(f"rank {engine.rank} failed at {position}: {message}", after_rank_0=True)
+    if isinstance(err, UserError) and (engine.is_root or type(err) is not UserError):
+        if message == str(err):  # rank 0's own, or one every rank stops with together (TrainingStopped)
+            return err
+        located: Exception = type(err)(message)  # a data-loader worker's, without its traceback
+    elif isinstance(err, UserError):  # bad data met mid-run on this rank: it says so itself
+        located = FailedAt(f"rank {engine.rank} failed at {position}: {message}", after_rank_0=True)
         located.exit_code = UserError.exit_code  # type: ignore[attr-defined]
     else:
         located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message}{where(err)}; "
