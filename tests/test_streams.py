@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import LAUNCHERS, assert_same_weights, final_weights, launch_env, requires_launchers
+from conftest import LAUNCHERS, assert_same_weights, final_weights, launch_env, requires_launchers, run
 from hvdtrain.config import DataConfig
 from hvdtrain.data.loading import batches
 from hvdtrain.data.sources import build_data, build_part
@@ -65,8 +65,7 @@ def _served(dataset: StreamDataset, sampler: StreamBatchSampler, workers: int) -
 def test_every_sample_of_an_epoch_is_served_once_across_ranks_and_workers_in_an_order_of_seed_and_epoch(tmp_path):
     """Five shards of 200 samples (160 for training), 2 or 3 ranks, 0 or 3 data-loader workers each:
     every training sample of an epoch served once, but for fewer than a global batch at the end of the
-    epoch's shard order; the same order for the same seed and any number of workers, another each epoch;
-    each rank reads its own range, at most two shards shared with another rank."""
+    epoch's stream; the same order for the same seed and any number of workers, another each epoch."""
     split = build_data(DataConfig(name=str(write_shards(tmp_path / "shards")), val_fraction=0.2), seed=1)
     train = split.train
     assert isinstance(train, StreamDataset) and len(train) == 161 and len(split.val) == 39
@@ -80,7 +79,7 @@ def test_every_sample_of_an_epoch_is_served_once_across_ranks_and_workers_in_an_
                 per_rank.append(_served(train, sampler, workers))
             served = [n for numbers in per_rank for n in numbers]
             assert len(set(served)) == len(served) == len(train) - sampler.dropped  # once each
-            assert sampler.dropped < 5 * world and len({len(numbers) for numbers in per_rank}) == 1
+            assert sampler.dropped == 161 - sampler.per_rank * 5 * world and len(set(map(len, per_rank))) == 1
             orders[(world, workers, epoch)] = per_rank
     assert orders[(2, 0, 1)] == orders[(2, 3, 1)] and orders[(2, 0, 2)] == orders[(2, 3, 2)]  # workers change nothing
     assert orders[(2, 0, 1)] != orders[(2, 0, 2)]  # another order each epoch
@@ -94,50 +93,55 @@ def test_every_sample_of_an_epoch_is_served_once_across_ranks_and_workers_in_an_
     assert _served(again, other, 0) != orders[(2, 0, 1)][0]  # another seed, another order
 
 
-@pytest.mark.parametrize("sizes, buffer, batch, accumulate", [((2, 3, 1), 16, 5, 1), ((3, 2, 4), 7, 4, 2),
-                                                                ((2, 1, 2), 64, 16, 1), ((4, 3, 2), 5, 3, 1)])
-def test_a_change_of_processes_inside_an_epoch_serves_what_no_rank_had_served_each_once(sizes, buffer, batch,
-                                                                                         accumulate):
-    """An epoch of 1003 positions begun on one number of processes, checkpointed, gone on with on a
-    second and a third (from each checkpoint's plan, as a resume or an elastic reset would): every
-    position served at most once, and all but fewer than the last global batch x accumulate."""
+STAGES = {  # (world size, batch, accumulate, shuffle buffer) of each stage of one epoch
+    "processes 2, 3, 1": [(2, 5, 1, 16), (3, 5, 1, 16), (1, 5, 1, 16)],
+    "processes 3, 2, 4 with accumulate": [(3, 4, 2, 7), (2, 4, 2, 7), (4, 4, 2, 7)],
+    "buffer smaller than the batch": [(2, 16, 1, 5), (1, 16, 1, 5), (2, 16, 1, 5)],
+    "batch, accumulate and buffer changed": [(2, 8, 1, 64), (2, 12, 1, 64), (2, 12, 2, 30)],
+}
+
+
+@pytest.mark.parametrize("stages", STAGES.values(), ids=STAGES.keys())
+def test_a_change_inside_an_epoch_serves_what_no_rank_had_served_each_once(stages):
+    """An epoch of 1003 positions begun with one number of processes (batch size, accumulate, buffer),
+    checkpointed halfway, gone on with from each checkpoint's plan as a resume or an elastic reset would:
+    every position served at most once, and all but fewer than the last global batch x accumulate."""
     served, state, start = [], None, 0
-    for stage, world in enumerate(sizes):
+    for stage, (world, batch, accumulate, buffer) in enumerate(stages):
         samplers = [StreamBatchSampler(1003, batch, rank, world, seed=3, multiple=accumulate, buffer=buffer)
                     for rank in range(world)]
         for sampler in samplers:
             if state is not None:
                 sampler.resume_plan(2, state)
             sampler.set_epoch(2, start)
-        last = stage == len(sizes) - 1
-        steps = samplers[0].num_batches if last else samplers[0].num_batches // 2
+        last = stage == len(stages) - 1
+        steps = samplers[0].num_batches if last else samplers[0].num_batches // 2 // accumulate * accumulate
         served += [p for sampler in samplers for b in list(sampler)[:steps] for p in b]
         start += steps * batch * world
         state = samplers[0].plan_state(start)
-    assert len(set(served)) == len(served) and 1003 - len(served) < sizes[-1] * batch * accumulate
+    assert len(set(served)) == len(served) and 1003 - len(served) < world * batch * accumulate
     assert min(served) >= 0 and max(served) < 1003 and len(state["runs"]) > 1  # a plan of what was left
 
 
-def test_shards_say_what_they_hold_by_directory_pattern_or_glob(tmp_path):
-    directory = write_shards(tmp_path / "shards")
-    for name in (str(directory), str(directory / "part-{0000..0004}.tar"), str(directory / "*.tar")):
-        split = build_data(DataConfig(name=name), seed=0)
-        assert (len(split.train), len(split.val)) == (161, 39) and split.input_shape == (12,)
-        assert split.num_classes == 4 and split.target_shape == () and split.target_dtype == torch.int64
-        assert split.held_targets.shape == (200,)
-    assert [int(split.val[i][0][-1]) for i in range(3)] == [4, 9, 14]  # every 5th of each shard, in their order
-    whole = build_part(DataConfig(name=str(directory)), 0, "labels", "all")
-    assert len(whole) == 200 and [int(whole[i][0][-1]) for i in (0, 57, 199)] == [0, 57, 199]
-    write_shards(tmp_path / "apart" / "train", (30, 30))
-    write_shards(tmp_path / "apart" / "val", (10,))
-    apart = build_data(DataConfig(name=str(tmp_path / "apart"), input_columns="npy", target_column="cls"), seed=0)
-    assert (len(apart.train), len(apart.val)) == (60, 10)
+@pytest.mark.parametrize("done", [0, 2, 4, 10, 24, 26], ids=lambda d: f"after {d} batches")
+def test_a_resume_on_the_same_processes_serves_the_rest_of_the_uninterrupted_order(done):
+    """Batches of 6 from blocks of 24 (4 batches a block, the last one half), accumulate 2, 26 batches per
+    rank: a resume at the start, inside a block, at a block's edge, at the last block and at the end, with
+    other data-loader workers than before, serves what the uninterrupted epoch would have served."""
+    whole = StreamBatchSampler(330, 6, 1, 2, seed=5, multiple=2, buffer=24, workers=0)
+    whole.set_epoch(3)
+    order = [list(b) for b in whole]
+    assert len(order) == 26 and whole.dropped == 330 - 26 * 12
+    resumed = StreamBatchSampler(330, 6, 1, 2, seed=5, multiple=2, buffer=24, workers=3)
+    resumed.resume_plan(3, whole.plan_state(done * 12))
+    resumed.set_epoch(3, done * 12)
+    assert [list(b) for b in resumed] == order[done:]
 
 
 def test_a_shard_is_counted_once_per_version_of_its_file(tmp_path, monkeypatch):
     """The second start reads the count and labels from the cache (counting would fail here); a
     rewritten shard is counted again."""
-    from hvdtrain.data import shards
+    from hvdtrain.data import shard_index as shards
 
     monkeypatch.setattr(shards, "INDEX_CACHE", tmp_path / "cache")
     directory = write_shards(tmp_path / "shards", (30, 20))
@@ -170,6 +174,18 @@ def _bad(tmp_path: Path, case: str) -> DataConfig:
             for number in range(6):
                 _add(tar, f"{number:06d}.png", b"\x89PNG but not really")
                 _add(tar, f"{number:06d}.cls", b"1")
+    if case == "cut off":
+        data = (shards / "part-0001.tar").read_bytes()
+        (shards / "part-0001.tar").write_bytes(data[:len(data) // 2])
+    if case == "a later sample without its label":
+        with tarfile.open(shards / "part-0001.tar", "a") as tar:
+            buffer = io.BytesIO()
+            np.save(buffer, np.zeros(12, dtype=np.float32))
+            _add(tar, "000099.npy", buffer.getvalue())
+    if case == "too small to hold out":
+        return DataConfig(name=str(write_shards(tmp_path / "small", (3, 3, 3))), val_fraction=0.2)
+    if case == "a glob that matches nothing":
+        return DataConfig(name=str(shards / "train-*.tar"))
     if case == "text label":
         with tarfile.open(shards / "part-0001.tar", "a") as tar:
             buffer = io.BytesIO()
@@ -185,6 +201,10 @@ def _bad(tmp_path: Path, case: str) -> DataConfig:
     ("no such column", r"have no column 'jpg' \(the first sample has npy, cls\): choose with data.input_columns"),
     ("image that does not decode", r"shard '.*part-0000.tar': sample '000000' does not decode \(.*\): write it again"),
     ("text label", r"member '000099.cls' holds 'cat', not an integer label"),
+    ("cut off", r"shard '.*part-0001.tar' is (cut off|damaged) .*: write it again"),
+    ("a later sample without its label", r"part-0001.tar': sample '000099' has no column cls: every sample needs"),
+    ("too small to hold out", r"hold fewer than 5 samples each, so holding out every 5th .* leaves none"),
+    ("a glob that matches nothing", r"train-\*.tar' matches no file: check the pattern"),
 ])
 def test_bad_shards_are_one_line_each(tmp_path, case, message):
     with pytest.raises(UserError, match=message) as caught:
@@ -261,6 +281,13 @@ def test_a_stream_stopped_inside_an_epoch_resumes_exactly_on_as_many_processes_a
         served = [n for numbers in per_rank for n in numbers[e * epoch:(e + 1) * epoch]]
         assert len(set(served)) == len(served) == 2 * epoch
     assert [numbers[:16] for numbers in per_rank] != [numbers[epoch:epoch + 16] for numbers in per_rank]
+    if stream == "shards":  # evaluate and predict read the shards in their own order, as fit's validation did
+        evaluated = run(["hvdtrain", "evaluate", str(whole), "--checkpoint", "last", "--output", str(tmp_path / "eval.json")])
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+        record = json.loads((whole / "metrics.jsonl").read_text().splitlines()[-1])
+        assert json.loads((tmp_path / "eval.json").read_text())["loss"] == pytest.approx(record["val_loss"])
+        predicted = run(["hvdtrain", "predict", str(whole), "--split", "all", "--output", str(tmp_path / "p.npy")])
+        assert predicted.returncode == 0 and np.load(tmp_path / "p.npy").shape == (2005,), predicted.stderr[-3000:]
     stopped = _fit(launcher, data, cut, *args, HVDTRAIN_TEST_SIGNAL=f"1:{steps + steps // 2}:SIGTERM",
                    HVDTRAIN_TEST_RECORD=str(tmp_path / "cut-record"))
     assert stopped.returncode == 75, stopped.stderr[-3000:]

@@ -24,8 +24,10 @@ def data_workers(requested: int, dataset: Dataset, engine: Engine) -> tuple[int,
     budget: validation (no backward, a fraction of the data) gets a quarter of it."""
     if requested >= 0:
         total = requested
-    elif isinstance(dataset, TensorDataset) or engine.device.type != "cuda":
-        total = 0  # in memory or CPU training: workers would only take cores from the compute
+    elif isinstance(dataset, TensorDataset) or engine.device.type != "cuda" or getattr(dataset, "iterates", bool)():
+        # In memory or CPU training: workers would only take cores from the compute; a user's
+        # IterableDataset: each worker would iterate through the others' samples to reach its own.
+        total = 0
     else:
         # dist: the host's cores are shared by its local processes; leave one for the main thread.
         total = max(0, min(4, available_cores() // engine.local_size - 1))

@@ -9,31 +9,29 @@ dot of its file name (`000017.png` and `000017.cls` are the inputs and the label
 chosen as for Hugging Face data: `data.target_column` (default `cls`, else `label`, `labels`, `y`)
 and `data.input_columns` (default every other column).
 
-The shards are read front to back (hvdtrain.data.streams); this module lists them, counts their
-samples once from the members' headers (no member's data is read but the labels'), and reads one
-shard from a given sample on.
+The shards are read front to back (hvdtrain.data.streams); this module lists them, has them counted
+(hvdtrain.data.shard_index), and reads one shard from a given sample on.
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
-import os
 import tarfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from hvdtrain.data.mapped import HeldOut, split as strided_split
+from hvdtrain.data.shard_index import ShardIndex, index_of, key_of, members, open_shard
 from hvdtrain.errors import UserError, message_lines
 
 SUFFIX = ".tar"
 TARGETS = ("cls", "label", "labels", "y")
 LABEL_COLUMNS = ("cls", "cls2", "class", "index", "label", "labels", "y")
 """Columns WebDataset decodes as one integer: read while counting, for the label checks."""
-HELD_LABELS_LIMIT = 16 << 20
+HELD_LABELS_LIMIT = 128 << 20  # bytes of int64 labels held for the label checks
 
 
 def is_shards(name: str) -> bool:
@@ -62,6 +60,9 @@ def shard_paths(name: str) -> list[Path]:
         from braceexpand import braceexpand
 
         found = [Path(p) for expanded in braceexpand(name) for p in (sorted(glob.glob(expanded)) or [expanded])]
+        if any("*" in str(p) or "?" in str(p) for p in found):
+            raise UserError(f"data '{name}' matches no file: check the pattern (quote it, so that the shell leaves it "
+                            "to hvdtrain)")
     if not found:
         raise UserError(f"data '{name}' names no tar shards: give a directory of .tar files, a pattern such as "
                         "'shards/train-{000000..000009}.tar', or 'shards/*.tar'")
@@ -70,97 +71,6 @@ def shard_paths(name: str) -> list[Path]:
         raise UserError(f"shard '{missing[0]}' does not exist ({len(missing)} of {len(found)} named shards are "
                         "missing): check data.name (--data)")
     return found
-
-
-def _key(member_name: str) -> tuple[str, str]:
-    """(sample key, column) of a member: `dir/000017.seg.png` is sample `dir/000017`, column `seg.png`."""
-    directory, _, base = member_name.rpartition("/")
-    stem, _, column = base.partition(".")
-    return (f"{directory}/{stem}" if directory else stem), column.lower()
-
-
-def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
-    """The files of a shard, headers only (tarfile seeks past the data); directories and dot-files skipped."""
-    while True:
-        member = tar.next()
-        if member is None:
-            return
-        if member.isfile() and not member.name.rpartition("/")[2].startswith("."):
-            yield member
-
-
-def _open(path: Path) -> tarfile.TarFile:
-    try:
-        return tarfile.open(path, "r:")
-    except (tarfile.TarError, OSError) as err:
-        raise UserError(f"shard '{path}' is not a readable tar file ({err}): write shards with tar or "
-                        "webdataset's ShardWriter, uncompressed") from err
-
-
-INDEX_CACHE = Path(os.environ.get("HVDTRAIN_CACHE", Path.home() / ".cache" / "hvdtrain")) / "shard-index"
-
-
-def index_of(path: Path, label_column: str | None) -> "ShardIndex":
-    """A shard's index, counted once per version of the file on a host: a later start (and every other
-    rank there) reads it from the cache, keyed by the file's path, size and modification time."""
-    stat = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{label_column}".encode()).hexdigest()
-    cached = INDEX_CACHE / f"{key}.npz"
-    try:
-        with np.load(cached, allow_pickle=False) as saved:
-            return ShardIndex(path, label_column, (int(saved["count"]), [str(c) for c in saved["columns"]],
-                                                   saved["labels"] if bool(saved["has_labels"]) else None))
-    except (OSError, ValueError, KeyError):
-        pass
-    index = ShardIndex(path, label_column)
-    try:  # written whole or not at all: ranks on a host may write it at once
-        INDEX_CACHE.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_name(f"{key}.{os.getpid()}.tmp.npz")
-        np.savez(partial, count=index.count, columns=np.asarray(index.columns, dtype=str),
-                 labels=index.labels if index.labels is not None else np.zeros(0, dtype=np.int64),
-                 has_labels=index.labels is not None)
-        os.replace(partial, cached)
-    except OSError:  # a read-only home: counted again next time
-        pass
-    return index
-
-
-class ShardIndex:
-    """What counting a shard's samples learnt: how many, the columns of its first sample, and its
-    integer labels when it has a label column."""
-
-    def __init__(self, path: Path, label_column: str | None,
-                 known: tuple[int, list[str], np.ndarray | None] | None = None):
-        """`known`: (count, columns, labels) from the cache, instead of counting."""
-        if known is not None:
-            self.path, (self.count, self.columns, self.labels) = path, known
-            return
-        self.path, self.count, self.columns = path, 0, []
-        labels: list[int] = []
-        tar, key = _open(path), None
-        try:
-            for member in _members(tar):
-                sample, column = _key(member.name)
-                if sample != key:
-                    key, self.count = sample, self.count + 1
-                if self.count == 1:
-                    self.columns.append(column)
-                if column == label_column and len(labels) * 8 < HELD_LABELS_LIMIT:
-                    labels.append(_label(tar, member, path))
-        except (tarfile.TarError, OSError) as err:
-            raise UserError(f"shard '{path}' is damaged after {self.count} samples ({err}): write it again") from err
-        finally:
-            tar.close()
-        self.labels = np.asarray(labels, dtype=np.int64) if len(labels) == self.count and labels else None
-
-
-def _label(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> int:
-    text = tar.extractfile(member).read().decode("utf-8", "replace").strip()  # type: ignore[union-attr]
-    try:
-        return int(text)
-    except ValueError:
-        raise UserError(f"shard '{path}': member '{member.name}' holds '{text[:40]}', not an integer label: "
-                        "a .cls member holds one integer as text") from None
 
 
 class Shards:
@@ -220,8 +130,8 @@ class ShardCursor:
     def __init__(self, shards: Shards, shard: int):
         self.shards, self.shard, self.part = shards, shard, shards.parts[shard]
         self.path = shards.paths[shard]
-        self.tar = _open(self.path)
-        self.members = _members(self.tar)
+        self.tar = open_shard(self.path)
+        self.members = members(self.tar)
         self.pending: tarfile.TarInfo | None = None
         self.next_sample = 0  # in the shard, not the part
         self.position = 0  # the part's next sample
@@ -250,7 +160,7 @@ class ShardCursor:
                 self.pending = None
                 if member is None:
                     break
-                sample, column = _key(member.name)
+                sample, column = key_of(member.name)
                 if key is not None and sample != key:
                     self.pending = member
                     break
@@ -287,8 +197,12 @@ def shard_parts(name: str, inputs: str | None, target: str | None, val_fraction:
     indexes = _indexes(shard_paths(name), target)
     chosen_inputs, chosen_target = _columns(name, indexes, inputs, target)
     train, _ = strided_split(sum(index.count for index in indexes), val_fraction)  # checks the fraction and size
-    return (Shards(indexes, chosen_inputs, chosen_target, train.every),
-            Shards(indexes, chosen_inputs, chosen_target, train.every, val=True))
+    val = Shards(indexes, chosen_inputs, chosen_target, train.every, val=True)
+    if sum(val.counts) == 0:
+        raise UserError(f"shards '{name}' hold fewer than {train.every} samples each, so holding out every "
+                        f"{train.every}th sample of each (data.val_fraction) leaves none for validation: give train/ "
+                        "and val/ directories of shards, or larger shards")
+    return Shards(indexes, chosen_inputs, chosen_target, train.every), val
 
 
 def whole(name: str, inputs: str | None, target: str | None) -> Shards:
@@ -303,7 +217,7 @@ def whole(name: str, inputs: str | None, target: str | None) -> Shards:
 
 def _indexes(paths: list[Path], target: str | None) -> list[ShardIndex]:
     if target is None:  # the default target, from the first sample's columns, to read its labels while counting
-        first = _first_columns(paths[0])
+        first = next((columns for columns in map(_first_columns, paths) if columns), [])
         target = next((column for column in TARGETS if column in first), None)
     label = target if target in LABEL_COLUMNS else None
     indexes = [index_of(path, label) for path in paths]
@@ -313,10 +227,10 @@ def _indexes(paths: list[Path], target: str | None) -> list[ShardIndex]:
 
 
 def _first_columns(path: Path) -> list[str]:
-    tar, columns, key = _open(path), [], None
+    tar, columns, key = open_shard(path), [], None
     try:
-        for member in _members(tar):
-            sample, column = _key(member.name)
+        for member in members(tar):
+            sample, column = key_of(member.name)
             if key is not None and sample != key:
                 break
             key = sample
@@ -344,8 +258,10 @@ def _columns(name: str, indexes: list[ShardIndex], inputs: str | None,
 
 
 def held_labels(*parts: Shards) -> torch.Tensor | None:
-    """Every integer label of the parts' shards (each shard once), when counting read them all."""
+    """Every integer label of the parts' shards (each shard once), when they have a label column and
+    not too many to hold."""
     labels = {path: held for part in parts for path, held in zip(part.paths, part.labels)}
-    if not labels or any(held is None for held in labels.values()):
+    if not labels or any(held is None for held in labels.values()) or \
+            sum(len(held) for held in labels.values()) * 8 > HELD_LABELS_LIMIT:
         return None
     return torch.from_numpy(np.concatenate(list(labels.values())))

@@ -9,8 +9,9 @@ stream, so each epoch leaves out other samples. Within a rank's range, blocks of
 every state follows from the position, so a run resumed inside an epoch serves what it would have.
 
 The ranges depend on the number of processes (unlike `sampler.ShardedBatchSampler`): when it changes
-inside an epoch (a resume on another number, elastic training), the rest of the epoch is a `Plan` of
-the positions no rank has served yet, cut into ranges for the processes there are now. On the same
+inside an epoch (a resume on another number, elastic training), or the batch size, train.accumulate or
+data.shuffle_buffer does, the rest of the epoch is a `Plan` of the positions no rank has served yet,
+cut into ranges for the processes there are now. On the same
 number of processes a resume serves exactly what the run would have; the data-loader workers may differ.
 """
 
@@ -114,21 +115,25 @@ class StreamBatchSampler(Sampler[list[int]]):
         self.num_batches = self.per_rank - self.done
 
     def plan_state(self, start: int) -> dict:
-        """What a checkpoint taken `start` samples into the epoch keeps, to go on on any number of processes."""
+        """What a checkpoint taken `start` samples into the epoch keeps, to go on with any number of
+        processes, batch size, train.accumulate or data.shuffle_buffer."""
         whole = len(self.plan.starts) == 1 and self.plan.starts[0] == 0 and len(self.plan) == self.n
-        return {"world_size": self.world_size, "base": self.base, "runs": None if whole else self.plan.state(),
-                "start": start}
+        return {"world_size": self.world_size, "batch_size": self.batch_size, "multiple": self.multiple,
+                "buffer": self.buffer, "base": self.base, "runs": None if whole else self.plan.state(), "start": start}
 
     def resume_plan(self, epoch: int, state: dict) -> None:
-        """Goes on with an epoch that `state` (`plan_state`) was taken in: its plan when the number of
-        processes is the same, else a plan of what no rank of it had served."""
+        """Goes on with an epoch that `state` (`plan_state`) was taken in: with its plan where the ranges
+        and blocks are the same, else with a plan of what no rank had served."""
         plan = Plan.whole(self.n) if state.get("runs") is None else Plan.from_state(state["runs"])
         self.plan_epoch, self.base = epoch, int(state.get("base", 0))
-        if int(state["world_size"]) == self.world_size:
+        before = StreamBatchSampler(self.n, int(state.get("batch_size", self.batch_size)), 0,
+                                    int(state["world_size"]), seed=self.seed,
+                                    multiple=int(state.get("multiple", self.multiple)),
+                                    buffer=int(state.get("buffer", self.buffer)))
+        if (before.world_size, before.batch_size, before.multiple, before.buffer) == \
+                (self.world_size, self.batch_size, self.multiple, self.buffer):
             self._use(plan)
             return
-        before = StreamBatchSampler(self.n, self.batch_size, 0, int(state["world_size"]), seed=self.seed,
-                                    multiple=self.multiple, buffer=self.buffer)
         before.plan_epoch, before.base, before.epoch = epoch, self.base, epoch
         before._use(plan)
         self._use(before.unserved((int(state["start"]) - self.base) // before.global_batch))

@@ -13,6 +13,7 @@ shuffle buffer.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -68,10 +69,18 @@ class StreamDataset(Dataset):
     def __len__(self) -> int:
         return int(self.counts.sum())
 
+    def fingerprint(self) -> tuple:
+        """What every rank must agree on to map positions to the same samples."""
+        return tuple(Path(name).name for name in self.source.names()), tuple(self.counts.tolist())
+
+    def iterates(self) -> bool:
+        """Whether reading a range means iterating to it (a user's IterableDataset), not passing over headers."""
+        return isinstance(self.source, IterableSource)
+
     def locate(self, positions: np.ndarray, epoch: int | None) -> tuple[np.ndarray, np.ndarray]:
         """(shard, sample of the part in the shard) of stream positions."""
         if epoch not in self._orders:
-            draw = np.random.default_rng([self.seed, epoch]) if epoch is not None else None
+            draw = np.random.default_rng([self.seed % 2**64, epoch]) if epoch is not None else None
             order = draw.permutation(len(self.counts)) if draw else np.arange(len(self.counts))
             # The stream begins at a drawn sample, too: what an epoch leaves out at its end differs
             # each epoch even with one shard (an IterableDataset is one).
@@ -82,11 +91,6 @@ class StreamDataset(Dataset):
         slot = np.searchsorted(starts, positions, side="right") - 1
         return order[slot], positions - starts[slot]
 
-    def where(self, position: int, epoch: int | None) -> tuple[str, int]:
-        """(shard name, sample in it) of one stream position: what a checkpoint notes."""
-        shard, index = self.locate(np.asarray([min(position, len(self) - 1)]), epoch)
-        return self.source.names()[int(shard[0])], int(index[0])
-
     def __getitem__(self, index: int) -> Any:
         return self.__getitems__([index])[0]
 
@@ -94,7 +98,7 @@ class StreamDataset(Dataset):
         if self._pid != os.getpid():  # a forked data-loader worker: an open shard's file offset is its parent's too
             self._cursor, self._held, self._pid = None, {}, os.getpid()
         epoch = getattr(positions, "epoch", None)
-        if any(key[0] != epoch for key in list(self._held)[:1]):
+        if next(iter(self._held), (epoch,))[0] != epoch:
             self._held.clear()  # another epoch's: never asked for now
         for block in getattr(positions, "blocks", ()):
             for position, raw in zip(block, self._read(block, epoch)):

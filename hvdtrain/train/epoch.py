@@ -16,14 +16,15 @@ import torch
 from hvdtrain.config import Config
 from hvdtrain.data.loading import seed_generators
 from hvdtrain.data.stream_sampler import StreamBatchSampler
-from hvdtrain.engine import Engine, RankFailed
-from hvdtrain.errors import FailedAt, StoppedBySignal, UserError, message_lines, where
+from hvdtrain.engine import Engine
+from hvdtrain.errors import StoppedBySignal, UserError, message_lines
 from hvdtrain.io.checkpoint import CheckpointStore
 from hvdtrain.io.event_log import EventLog
 from hvdtrain.io.mlflow_log import MLflowLog
 from hvdtrain.io.progress import EpochProgress, epoch_line, say
 from hvdtrain.io.run_dir import RunFiles
 from hvdtrain.train.callbacks import Callbacks, StoppedEarly
+from hvdtrain.train.failures import located
 from hvdtrain.train.loop import EpochSums, evaluate, train_epoch
 from hvdtrain.train.preemption import StepCheck, rng_state, set_rng_state
 from hvdtrain.train.running_stats import share_running_stats
@@ -140,7 +141,7 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
         val = evaluate(run.model, engine, run.task, run.val_batches, run.first.template, run.precision,
                        config.train.channels_last)
     except Exception as err:
-        raise _located(err, engine, position[0])
+        raise located(err, engine, position[0])
     totals.train_seconds += seconds
     totals.train_samples += train.samples
     metrics = {f"val_{name}": val.metrics[name] for name in sorted(val.metrics, key=lambda n: n != "loss")}
@@ -268,36 +269,6 @@ class _Writer:
                             "checkpoints before it are intact: free space, then continue with --resume") from err
         if err is not None:
             raise err
-
-
-def _located(err: Exception, engine: Engine, position: str) -> Exception:
-    """The user's code failed mid-run on this rank (a Dataset, the model, the task): one line
-    naming the rank, where in the run, and where in their code. Other failures pass as they are."""
-    if isinstance(err, (RankFailed, StoppedBySignal, StoppedEarly, FailedAt)) or engine.is_engine_signal(err):
-        return err
-    message = _worker_message(err)
-    if isinstance(err, UserError) and (engine.is_root or type(err) is not UserError):
-        if message == str(err):  # rank 0's own, or one every rank stops with together (TrainingStopped)
-            return err
-        located: Exception = type(err)(message)  # a data-loader worker's, without its traceback
-    elif isinstance(err, UserError):  # bad data met mid-run on this rank: it says so itself
-        located = FailedAt(f"rank {engine.rank} failed at {position}: {message}", after_rank_0=True)
-        located.exit_code = UserError.exit_code  # type: ignore[attr-defined]
-    else:
-        located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message}{where(err)}; "
-                           "every rank stops (--debug shows the traceback)")
-    located.__cause__ = err
-    return located
-
-
-def _worker_message(err: Exception) -> str:
-    """The first line of the message; of an exception a data-loader worker raised (which PyTorch raises
-    again with the worker's traceback as its message), the worker's own message."""
-    text = str(err)
-    if text.startswith("Caught ") and "Original Traceback" in text:
-        last = text.strip().splitlines()[-1]
-        return last.split(": ", 1)[1] if ": " in last else last
-    return message_lines(err)
 
 
 def finish(config: Config, engine: Engine, run: Run, run_dir: Path, totals: Totals,

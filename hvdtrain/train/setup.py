@@ -19,6 +19,7 @@ from hvdtrain.data.batch import to_device
 from hvdtrain.data.loading import batches, collate_function, data_workers
 from hvdtrain.data.sampler import EvalShardSampler, ShardedBatchSampler
 from hvdtrain.data.stream_sampler import StreamBatchSampler, training_sampler
+from hvdtrain.data.streams import StreamDataset
 from hvdtrain.data.sources import DataSplit, build_data
 from hvdtrain.engine import Engine, GradientSync
 from hvdtrain.errors import UserError, message_lines
@@ -152,6 +153,13 @@ def check_same_data(engine: Engine, run: Run) -> None:
         listed = ", ".join(f"rank {r}: {train} train / {val} val" for r, (train, val) in enumerate(everyone))
         raise UserError(f"ranks built data sets of different sizes ({listed}): every rank must build the same "
                         "data set; hvdtrain shards it by rank itself, so do not shard it in your factory")
+    train = run.split.train
+    shards = engine.allgather_object(train.fingerprint() if isinstance(train, StreamDataset) else None, "shards")
+    if len(set(shards)) > 1:  # dist: a position must be the same sample everywhere, or some are read twice
+        differs = next(r for r, seen in enumerate(shards) if seen != shards[0])
+        raise UserError(f"ranks 0 and {differs} see different shards, or shards of different sizes, under "
+                        f"'{run.split.train.source.names()[0]}'...: every rank must read the same shards (the same "
+                        "files, or exact copies)")
 
 
 def _make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
