@@ -34,10 +34,12 @@ test-kill: install-test
 	HVDTRAIN_KILL_MOMENTS=20 python -m pytest -ra tests/test_preemption.py -k random_moments
 
 ## make bench: hvdtrain fit against a hand-written Horovod loop, torchrun DDP and one process;
-## then the cost of the stop check and of checkpoints inside an epoch.
+## then the cost of the stop check and of checkpoints inside an epoch; then the input pipeline of
+## each kind of data source.
 bench: install-test
 	python benchmarks/run.py
 	python benchmarks/stop_check.py
+	python benchmarks/data_sources.py
 
 clean:
 	rm -rf runs .pytest_cache
