@@ -32,7 +32,8 @@ def ssh_hosts(tmp_path_factory):
         yield port, key
 
 
-def start_elastic(ssh_hosts, hostfile: Path, run_dir: Path, **env_vars: str) -> subprocess.Popen:
+def start_elastic(ssh_hosts, hostfile: Path, run_dir: Path, *args: str, **env_vars: str) -> subprocess.Popen:
+    """`args` after the defaults (a later flag wins)."""
     port, key = ssh_hosts
     command = [
         "horovodrun", "--gloo", "-np", "3", "--min-np", "2", "--max-np", "3",
@@ -40,7 +41,7 @@ def start_elastic(ssh_hosts, hostfile: Path, run_dir: Path, **env_vars: str) -> 
         "--start-timeout", "60",
         # About 50 ms per step, so that the test can act mid-epoch; a commit every 2 steps.
         "hvdtrain", "fit", "--elastic", "--model", "user_code:paced_mlp", "--epochs", str(EPOCHS),
-        "--threads", "1", "--progress", "off", "--set", "train.commit_every=2", "--run-dir", str(run_dir),
+        "--threads", "1", "--progress", "off", "--set", "train.commit_every=2", "--run-dir", str(run_dir), *args,
     ]
     env = {**launch_env(), "HOSTFILE": str(hostfile), **env_vars}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -129,6 +130,33 @@ def test_a_lost_worker_is_survived_and_a_new_one_joins(ssh_hosts, tmp_path):
     print(f"world sizes {sizes}; resumed at sample {resumed_at}; val_acc {final:.4f} against {reference:.4f}")
     assert abs(final - reference) <= 0.01, (final, reference)
     assert json.loads((run_dir / "summary.json").read_text())["val_acc"] == final
+
+
+def test_a_stream_goes_on_with_the_samples_no_rank_had_served_when_a_worker_is_lost(ssh_hosts, tmp_path):
+    """A user's IterableDataset (a stream: each rank reads its own range) on 3 workers, 8 steps of 3 x 64
+    per epoch, 3 epochs; the worker on one host is lost in epoch 2's fourth step. The 2 left go on from the
+    commit after step 2 with a plan of the epoch's samples no rank had served (not their old ranges): epoch
+    2 still trains on all but one last partial global batch, and epoch 3, on 2 workers, on each sample once."""
+    hostfile, run_dir, record, held = tmp_path / "hosts", tmp_path / "run", tmp_path / "record", tmp_path / "held"
+    record.mkdir()
+    write_hosts(hostfile, FIRST_HOSTS)
+    job = start_elastic(ssh_hosts, hostfile, run_dir, "--data", "user_code:indexed_stream", "--model",
+                        "user_code:paced_records", "--epochs", "3", "--set", "data.shuffle_buffer=100",
+                        HVDTRAIN_TEST_HOLD=f"{LOST_HOST}:{8 + 4}", HVDTRAIN_TEST_HOLD_FILE=str(held),
+                        HVDTRAIN_TEST_RECORD=str(record), HVDTRAIN_TEST_DROPOUT="0")
+    wait_for(held.exists, 120, "the worker to lose to reach epoch 2, step 4")
+    lost = worker_on(LOST_HOST)
+    os.kill(lost, signal.SIGKILL)
+    code, out, err = finish(job, timeout=240)
+    assert code == 0, out[-2000:] + err[-3000:]
+    assert [(r["epoch"], r["world_size"]) for r in records(run_dir)] == [(1, 3), (2, 2), (3, 2)]
+    assert "elastic: 2 processes now (were 3); going on from epoch 2, sample 384 " in out, out[-2000:]
+    trained = {int(path.stem): path.read_text().split() for path in record.iterdir()}
+    survivors = [numbers for pid, numbers in trained.items() if pid != lost]
+    last_epoch = [n for numbers in survivors for n in numbers[-12 * 64:]]  # 12 steps of 64 on each of 2
+    assert len(set(last_epoch)) == len(last_epoch) == 1536
+    second = set(trained[lost][8 * 64:]).union(*(numbers[8 * 64:-12 * 64] for numbers in survivors))
+    assert len(second) >= 1600 - 2 * 64, len(second)  # what epoch 2 left out: under one global batch of 2
 
 
 def test_elastic_without_the_elastic_launcher_is_one_clear_line(tmp_path):

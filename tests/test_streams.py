@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import LAUNCHERS, assert_same_weights, final_weights, launch_env, requires_launchers, run
+from conftest import LAUNCHERS, assert_same_weights, final_weights, launch_env, requires_launchers
 from hvdtrain.config import DataConfig
 from hvdtrain.data.loading import batches
 from hvdtrain.data.sources import build_data, build_part
@@ -161,6 +161,20 @@ def test_a_shard_is_counted_once_per_version_of_its_file(tmp_path, monkeypatch):
         build_data(DataConfig(name=str(directory)), seed=0)
 
 
+def test_fit_evaluate_and_predict_take_shards(tmp_path):
+    """One process, from Python: fit on shards, then evaluate its last checkpoint (fit's last record) and
+    predict every sample in the shards' own order."""
+    import hvdtrain
+
+    directory = write_shards(tmp_path / "shards", (60, 40))
+    summary = hvdtrain.fit(data=str(directory), epochs=2, batch_size=16, run_dir=str(tmp_path / "run"),
+                           progress="off", engine="local")
+    evaluated = hvdtrain.evaluate(tmp_path / "run", checkpoint="last")
+    assert evaluated["samples"] == 20 and evaluated["loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
+    predicted = hvdtrain.predict(tmp_path / "run", checkpoint="last", split="all")
+    assert predicted.shape == (100,)
+
+
 def _bad(tmp_path: Path, case: str) -> DataConfig:
     shards = write_shards(tmp_path / "shards", (6, 6))
     if case == "not a tar file":
@@ -261,8 +275,8 @@ def test_a_stream_stopped_inside_an_epoch_resumes_exactly_on_as_many_processes_a
     """2 ranks (the Horovod engine with 2 data-loader workers per rank on tar shards, the torch engine on
     a user's IterableDataset): a run never stopped trains on every sample of each epoch once (what the
     model records), in another order each epoch. The same run stopped by SIGTERM in the middle of epoch 2
-    and resumed on 2 processes ends with the weights of the run never stopped; resumed on 1 process
-    instead, it trains on the samples of epoch 2 that no rank had reached, each once."""
+    and resumed on 2 processes ends with the weights of the run never stopped; the shards' run resumed on
+    1 process instead trains on the samples of epoch 2 that no rank had reached, each once."""
     launcher, args = STREAMS[stream]
     data = str(write_shards(tmp_path / "shards", (400, 300, 500, 300, 505))) if stream == "shards" \
         else "user_code:indexed_stream"
@@ -281,13 +295,6 @@ def test_a_stream_stopped_inside_an_epoch_resumes_exactly_on_as_many_processes_a
         served = [n for numbers in per_rank for n in numbers[e * epoch:(e + 1) * epoch]]
         assert len(set(served)) == len(served) == 2 * epoch
     assert [numbers[:16] for numbers in per_rank] != [numbers[epoch:epoch + 16] for numbers in per_rank]
-    if stream == "shards":  # evaluate and predict read the shards in their own order, as fit's validation did
-        evaluated = run(["hvdtrain", "evaluate", str(whole), "--checkpoint", "last", "--output", str(tmp_path / "eval.json")])
-        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-        record = json.loads((whole / "metrics.jsonl").read_text().splitlines()[-1])
-        assert json.loads((tmp_path / "eval.json").read_text())["loss"] == pytest.approx(record["val_loss"])
-        predicted = run(["hvdtrain", "predict", str(whole), "--split", "all", "--output", str(tmp_path / "p.npy")])
-        assert predicted.returncode == 0 and np.load(tmp_path / "p.npy").shape == (2005,), predicted.stderr[-3000:]
     stopped = _fit(launcher, data, cut, *args, HVDTRAIN_TEST_SIGNAL=f"1:{steps + steps // 2}:SIGTERM",
                    HVDTRAIN_TEST_RECORD=str(tmp_path / "cut-record"))
     assert stopped.returncode == 75, stopped.stderr[-3000:]
@@ -296,13 +303,14 @@ def test_a_stream_stopped_inside_an_epoch_resumes_exactly_on_as_many_processes_a
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "samples into epoch 2" in resumed.stdout
     assert_same_weights(final_weights(whole), final_weights(cut), atol=0)
+    if stream == "iterable":  # the same plan of what is left as for shards (and elastic training)
+        return
     fewer = _fit(None, data, alone, *args, "--resume", HVDTRAIN_TEST_RECORD=str(tmp_path / "alone-record"))
     assert fewer.returncode == 0, fewer.stderr[-3000:]
     before = [n for numbers in _records(tmp_path / "cut-record") for n in numbers[epoch:]]
     (after,) = _records(tmp_path / "alone-record")
     assert 0 < len(before) < 2 * epoch and len(set(before + after)) == len(before + after)
-    total = 1604 if stream == "shards" else 1600
-    assert total - 16 < len(before + after) <= total  # all but fewer than one batch of one process
+    assert 1604 - 16 < len(before + after) <= 1604  # all but fewer than one batch of one process
 
 
 @pytest.mark.multiprocess

@@ -717,3 +717,8 @@ class _ShortStream(_IndexedStream):
 
 def short_stream():
     return _ShortStream(indexed()[0])
+
+
+def paced_records(input_shape, num_classes):
+    """`records_indices` paced as `paced_mlp` (and held as it is), for elastic training on `indexed` data."""
+    return _Paced(records_indices(input_shape, num_classes), 0.05)
