@@ -88,6 +88,8 @@ CASES = {
                                     "config key 'run.checkpoint_every_minutes' must be more than 0"),
     "unknown stop signal": (["--stop-signals", "SIGTERM,SIGFOO"], "'SIGFOO' is not a signal that can be caught"),
     "uncatchable stop signal": (["--stop-signals", "KILL"], "'KILL' is not a signal that can be caught"),
+    "a pattern of shards the shell expanded": (["--data", "s/a-0.tar", "s/a-1.tar"],
+                                               "a shell expanded a pattern of shards: quote it (--data 'shards/*.tar')"),
 }
 
 

@@ -73,7 +73,10 @@ def _main(argv: Sequence[str] | None) -> None:
     except click.exceptions.Abort:
         fail("interrupted", 130, debug, wait=False)
     except click.ClickException as err:
-        fail(err.format_message(), 2, debug)
+        message = err.format_message()
+        if "unexpected extra argument" in message and any(arg.endswith(".tar") for arg in args):
+            message += "; a shell expanded a pattern of shards: quote it (--data 'shards/*.tar')"
+        fail(message, 2, debug)
     except Exception as err:
         report_and_exit(err, debug)
         raise  # a bug or a machine failure: keep the traceback

@@ -35,8 +35,9 @@ def data_workers(requested: int, dataset: Dataset, engine: Engine) -> tuple[int,
 
 
 def batches(dataset: Dataset, sampler: Sampler[list[int]] | list[list[int]], num_workers: int, pin_memory: bool,
-            collate: Callable[[list[Any]], Any] | None = None) -> Iterable:
-    """Batches in the order `sampler` gives (an iterable that can be re-iterated each epoch)."""
+            collate: Callable[[list[Any]], Any] | None = None, stop_signals: tuple[int, ...] = ()) -> Iterable:
+    """Batches in the order `sampler` gives (an iterable that can be re-iterated each epoch).
+    `stop_signals`: what the workers leave to their rank (run.stop_signals)."""
     if isinstance(dataset, TensorDataset) and num_workers == 0 and collate is None:
         return _TensorBatches(dataset.tensors, sampler)
     if num_workers > 0:
@@ -44,7 +45,18 @@ def batches(dataset: Dataset, sampler: Sampler[list[int]] | list[list[int]], num
     # A generator of its own: each new iterator draws a base seed for its workers, which from the
     # training's random state would shift dropout's draws by one after a resume inside an epoch.
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      persistent_workers=num_workers > 0, collate_fn=collate, generator=torch.Generator())
+                      persistent_workers=num_workers > 0, collate_fn=collate, generator=torch.Generator(),
+                      worker_init_fn=functools.partial(_leave_to_the_rank, stop_signals) if stop_signals else None)
+
+
+def _leave_to_the_rank(numbers: tuple[int, ...], worker_id: int) -> None:
+    """A data-loader worker ignores the stop signals: Slurm sends one to every process of a step and a
+    terminal to the whole group, and a worker dying of it would fail the run its rank is stopping with
+    a checkpoint. The rank ends its workers itself."""
+    import signal
+
+    for number in numbers:
+        signal.signal(number, signal.SIG_IGN)
 
 
 def seed_generators(seed: int) -> None:

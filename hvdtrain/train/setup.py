@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from hvdtrain.config import Config
+from hvdtrain.config.schema import signal_numbers
 from hvdtrain.data import mapped
 from hvdtrain.data.batch import to_device
 from hvdtrain.data.loading import batches, collate_function, data_workers
@@ -116,8 +117,9 @@ def shard(run: Run, config: Config, engine: Engine) -> None:
         )
     val_sampler = EvalShardSampler(len(run.split.val), batch, engine.rank, engine.size)
     pin = engine.device.type == "cuda"  # pinned host memory lets copies to the GPU overlap compute
-    run.train_batches = batches(run.split.train, run.train_sampler, run.workers[0], pin, run.collate)
-    run.val_batches = batches(run.split.val, val_sampler, run.workers[1], pin, run.collate)
+    stop = tuple(signal_numbers(config.run.stop_signals))
+    run.train_batches = batches(run.split.train, run.train_sampler, run.workers[0], pin, run.collate, stop)
+    run.val_batches = batches(run.split.val, val_sampler, run.workers[1], pin, run.collate, stop)
     run.step_log = StepLog(engine, config.run.log_every, batch * accumulate)
     run.learning_rate = LearningRate.from_config(
         config.optim, global_batch=run.train_sampler.global_batch * accumulate, batch_size=batch,
