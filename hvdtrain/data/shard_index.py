@@ -4,8 +4,10 @@ on a host, so a later start, and every other rank there, reads the count instead
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import socket
 import tarfile
 from pathlib import Path
 from typing import Iterator
@@ -39,31 +41,41 @@ def key_of(member_name: str) -> tuple[str, str]:
     return (f"{directory}/{stem}" if directory else stem), column.lower()
 
 
+CACHE_FORMAT = 2  # what an entry holds, and what counting checks, as of this version
 INDEX_CACHE = Path(os.environ.get("HVDTRAIN_CACHE", Path.home() / ".cache" / "hvdtrain")) / "shard-index"
 
 
 def index_of(path: Path, label_column: str | None) -> "ShardIndex":
     """A shard's index, counted once per version of the file on a host: a later start (and every other
-    rank there) reads it from the cache, keyed by the file's path, size and modification time."""
+    rank there) reads it from the cache, keyed by the file's identity, size and change time."""
     stat = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{label_column}".encode()).hexdigest()
+    version = (f"{CACHE_FORMAT}\0{path.resolve()}\0{stat.st_dev}\0{stat.st_ino}\0{stat.st_size}\0{stat.st_mtime_ns}"
+               f"\0{stat.st_ctime_ns}\0{label_column}")
+    key = hashlib.sha1(version.encode()).hexdigest()
     cached = INDEX_CACHE / f"{key}.npz"
     try:
         with np.load(cached, allow_pickle=False) as saved:
             return ShardIndex(path, label_column, (int(saved["count"]), [str(c) for c in saved["columns"]],
                                                    saved["labels"] if bool(saved["has_labels"]) else None))
-    except (OSError, ValueError, KeyError):
+    except FileNotFoundError:
         pass
+    except Exception:  # noqa: BLE001 - a damaged entry (zipfile's, numpy's errors alike): counted again
+        with contextlib.suppress(OSError):
+            cached.unlink()
     index = ShardIndex(path, label_column)
-    try:  # written whole or not at all: ranks on a host may write it at once
+    partial = cached.with_name(f"{key}.{socket.gethostname()}.{os.getpid()}.tmp.npz")
+    try:  # written whole or not at all: ranks on a host (or hosts sharing a home) may write it at once
         INDEX_CACHE.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_name(f"{key}.{os.getpid()}.tmp.npz")
-        np.savez(partial, count=index.count, columns=np.asarray(index.columns, dtype=str),
-                 labels=index.labels if index.labels is not None else np.zeros(0, dtype=np.int64),
-                 has_labels=index.labels is not None)
+        with open(partial, "wb") as handle:
+            np.savez(handle, count=index.count, columns=np.asarray(index.columns, dtype=str),
+                     labels=index.labels if index.labels is not None else np.zeros(0, dtype=np.int64),
+                     has_labels=index.labels is not None)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(partial, cached)
     except OSError:  # a read-only home: counted again next time
-        pass
+        with contextlib.suppress(OSError):
+            partial.unlink()
     return index
 
 

@@ -24,6 +24,7 @@ from torch.utils.data import Sampler
 
 from hvdtrain.data.sampler import FeistelPermutation, ShardedBatchSampler, batch_seed
 from hvdtrain.data.streams import StreamBatch, StreamDataset
+from hvdtrain.errors import UserError
 
 
 class Plan:
@@ -119,19 +120,24 @@ class StreamBatchSampler(Sampler[list[int]]):
         processes, batch size, train.accumulate or data.shuffle_buffer."""
         whole = len(self.plan.starts) == 1 and self.plan.starts[0] == 0 and len(self.plan) == self.n
         return {"world_size": self.world_size, "batch_size": self.batch_size, "multiple": self.multiple,
-                "buffer": self.buffer, "base": self.base, "runs": None if whole else self.plan.state(), "start": start}
+                "buffer": self.buffer, "seed": self.seed, "samples": self.n, "base": self.base,
+                "runs": None if whole else self.plan.state(), "start": start}
 
     def resume_plan(self, epoch: int, state: dict) -> None:
         """Goes on with an epoch that `state` (`plan_state`) was taken in: with its plan where the ranges
         and blocks are the same, else with a plan of what no rank had served."""
+        if int(state.get("samples", self.n)) != self.n:
+            raise UserError(f"the checkpoint stopped inside epoch {epoch} of a stream of {state['samples']:,} training "
+                            f"samples, and the data now has {self.n:,}: resume with the shards it was written with, or "
+                            "start a new run (--overwrite or another --run-dir)")
         plan = Plan.whole(self.n) if state.get("runs") is None else Plan.from_state(state["runs"])
         self.plan_epoch, self.base = epoch, int(state.get("base", 0))
         before = StreamBatchSampler(self.n, int(state.get("batch_size", self.batch_size)), 0,
-                                    int(state["world_size"]), seed=self.seed,
+                                    int(state["world_size"]), seed=int(state.get("seed", self.seed)),
                                     multiple=int(state.get("multiple", self.multiple)),
                                     buffer=int(state.get("buffer", self.buffer)))
-        if (before.world_size, before.batch_size, before.multiple, before.buffer) == \
-                (self.world_size, self.batch_size, self.multiple, self.buffer):
+        if (before.world_size, before.batch_size, before.multiple, before.buffer, before.seed) == \
+                (self.world_size, self.batch_size, self.multiple, self.buffer, self.seed):
             self._use(plan)
             return
         before.plan_epoch, before.base, before.epoch = epoch, self.base, epoch
@@ -144,8 +150,10 @@ class StreamBatchSampler(Sampler[list[int]]):
         left, length = [], self.per_rank * self.batch_size
         for rank in range(self.world_size):
             first, served = rank * length, done * self.batch_size
+            if served >= length:  # its whole range
+                continue
             number, into = divmod(served, self.buffer)
-            if served < length and into:  # the block under way: what its order had not reached
+            if into:  # the block under way: what its order had not reached
                 left.append(Plan.of_positions(np.sort(self._block(number, first)[into:])))
                 number += 1
             left.append(self.plan.part(first + min(number * self.buffer, length), first + length))

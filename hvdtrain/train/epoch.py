@@ -86,8 +86,8 @@ def run_epoch(run: Run, config: Config, engine: Engine, epoch: int, step: int, t
         _seed(config.train.seed, epoch, engine.rank)
     if start and isinstance(run.train_sampler, StreamBatchSampler):  # dist: the epoch under way, maybe on another size
         plan = stream_plan or (resumed.stream_plan if resumed is not None else None)
-        run.train_sampler.resume_plan(epoch, plan or {"world_size": engine.size, "base": 0, "runs": None,
-                                                      "start": start})
+        run.train_sampler.resume_plan(epoch, plan or {"world_size": resumed.world_size if resumed else engine.size,
+                                                      "base": 0, "runs": None, "start": start})
     run.train_sampler.set_epoch(epoch, start)  # dist: a new shuffle, the same on every rank
     epochs = config.train.epochs
     steps = len(run.train_sampler) // config.train.accumulate
