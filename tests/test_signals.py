@@ -42,3 +42,19 @@ def test_a_held_signal_repeated_later_ends_the_process_as_its_default_would():
         "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.5); print('not reached', flush=True)\n")],
         capture_output=True, text=True)
     assert done.returncode == -signal.SIGUSR1 and done.stdout == "same delivery\n", done
+
+
+def test_a_rank_stopping_on_another_rank_s_signal_survives_its_own_copy_coming_late():
+    """Every rank stops at one step when any rank got the signal; torchrun's agent passes the signal to one
+    worker after another, so a rank may get its copy after it left training. It stops as it was going to."""
+    done = subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys, time\n"
+        "from hvdtrain.errors import StoppedBySignal\n"
+        "from hvdtrain.train.preemption import StopSignals\n"
+        "try:\n"
+        "    with StopSignals('SIGTERM,SIGUSR1'):\n"
+        "        raise StoppedBySignal('stopped by SIGUSR1 on rank 0')\n"
+        "except StoppedBySignal:\n"
+        "    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1)\n"
+        "    print('stopping', flush=True); sys.exit(75)\n")], capture_output=True, text=True)
+    assert done.returncode == 75 and done.stdout == "stopping\n", done

@@ -11,8 +11,8 @@ every state follows from the position, so a run resumed inside an epoch serves w
 The ranges depend on the number of processes (unlike `sampler.ShardedBatchSampler`): when it changes
 inside an epoch (a resume on another number, elastic training), or the batch size, train.accumulate or
 data.shuffle_buffer does, the rest of the epoch is a `Plan` of the positions no rank has served yet,
-cut into ranges for the processes there are now. On the same
-number of processes a resume serves exactly what the run would have; the data-loader workers may differ.
+cut into ranges for the processes there are now. With none of them changed, a resume serves exactly
+what the run would have; the data-loader workers may differ.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from hvdtrain.errors import UserError
 
 class Plan:
     """The stream positions an epoch serves, in order, as runs (start, length): all of [0, n) at
-    an epoch's start; after the number of processes changed inside the epoch, those that no rank
-    has served yet (still in the stream's order, so still read front to back)."""
+    an epoch's start; after a change inside the epoch (`StreamBatchSampler.resume_plan`), those that
+    no rank has served yet (still in the stream's order, so still read front to back)."""
 
     def __init__(self, starts: np.ndarray, lengths: np.ndarray):
         keep = lengths > 0

@@ -21,6 +21,7 @@ import torch
 from hvdtrain.config import RunConfig
 from hvdtrain.config.schema import signal_numbers
 from hvdtrain.engine import Engine
+from hvdtrain.errors import StoppedBySignal
 from hvdtrain.train import early_signals
 
 
@@ -49,7 +50,11 @@ class StopSignals:
                 self.received, self._received_at = early, time.monotonic()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
+        if kind is not None and issubclass(kind, StoppedBySignal):
+            # Stopping, maybe on another rank's signal: this rank's own copy may come now (torchrun's
+            # agent passes it to one worker after another) and must not kill it as the default would.
+            return
         for number, handler in self._previous.items():
             signal.signal(number, handler)
 
