@@ -174,8 +174,9 @@ def test_two_steps_of_one_job_at_once_on_one_node_each_train_with_the_torch_engi
 def test_scancel_ends_every_task_and_resume_finishes(cluster):
     root, env = cluster
     run_dir = root / "cancelled"
-    args = ["--data", "random", "--set", "data.samples=60000", "--set", "data.features=12", "--epochs", "3",
-            "--run-dir", str(run_dir)]
+    # Paced (about 2 s an epoch, in sleeps): still training when scancel comes, however loaded the host.
+    args = ["--data", "random", "--set", "data.samples=6000", "--set", "data.features=12", "--epochs", "6",
+            "--model", "user_code:paced_mlp", "--run-dir", str(run_dir)]
     job = _submit(env, root, *args)
     deadline = time.monotonic() + 120
     while not (run_dir / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
@@ -192,9 +193,9 @@ def test_scancel_ends_every_task_and_resume_finishes(cluster):
     again = _submit(env, root, *args, "--resume")
     assert _wait(env, again) == "COMPLETED", (root / f"job-{again}.log").read_text()[-3000:]
     log = (root / f"job-{again}.log").read_text()
-    assert "resuming from" in log and "epoch 3/3" in log
+    assert "resuming from" in log and "epoch 6/6" in log
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["epochs"] == 3 and summary["resumed_from_epoch"] >= 1
+    assert summary["world_size"] == 2 and summary["epochs"] == 6 and summary["resumed_from_epoch"] >= 1
 
 
 def test_a_signal_to_the_tasks_requeues_the_job_which_resumes_and_finishes_exactly(cluster, tmp_path):
