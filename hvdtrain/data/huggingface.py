@@ -45,7 +45,7 @@ class Columns(Dataset):
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
         rows = self.table[[self.part(i) for i in indices]]
-        columns = {name: _tensor(rows[name], name) for name in [*self.inputs, *([self.target] if self.target else [])]}
+        columns = {name: column_tensor(rows[name], name) for name in [*self.inputs, *([self.target] if self.target else [])]}
         samples = []
         for i in range(len(indices)):
             inputs = columns[self.inputs[0]][i] if len(self.inputs) == 1 else {n: columns[n][i] for n in self.inputs}
@@ -58,12 +58,12 @@ def formatted(table: Any, inputs: list[str], target: str | None) -> Any:
     return table.with_format("numpy", columns=[*inputs, *([target] if target else [])])
 
 
-def _tensor(values: Any, name: str) -> torch.Tensor | list[torch.Tensor]:
+def column_tensor(values: Any, name: str) -> torch.Tensor | list[torch.Tensor]:
     """A column of a batch: one tensor, or one per row where rows differ in length (data.collate=pad
     pads them)."""
     array = np.asarray(values)
     if array.dtype == object:
-        return [_tensor(row, name) for row in values]
+        return [column_tensor(row, name) for row in values]
     if np.issubdtype(array.dtype, np.floating):
         return torch.from_numpy(array.astype(np.float32))
     if np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hvdtrain.data.huggingface import column_tensor
 from hvdtrain.data.mapped import HeldOut, split as strided_split
 from hvdtrain.data.shard_index import ShardIndex, index_of, key_of, members, open_shard
 from hvdtrain.errors import UserError, message_lines
@@ -112,16 +113,11 @@ class Shards:
         return {**self.__dict__, "_decoder": None}
 
 
-def _tensor(value: Any, column: str) -> torch.Tensor:
+def _tensor(value: Any, column: str) -> Any:
+    """A decoded column as a float32 or int64 tensor (an image is one already)."""
     if isinstance(value, torch.Tensor):
         return value.float() if value.is_floating_point() else value.long()
-    array = np.asarray(value)
-    if np.issubdtype(array.dtype, np.floating):
-        return torch.from_numpy(array.astype(np.float32))
-    if np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_:
-        return torch.from_numpy(array.astype(np.int64))
-    raise UserError(f"shard column '{column}' decodes to {type(value).__name__}, not numbers: choose numeric "
-                    "columns with data.input_columns and data.target_column")
+    return column_tensor(value, column)
 
 
 class ShardCursor:
