@@ -12,7 +12,7 @@ from hvdtrain.config import Config
 from hvdtrain.engine import LocalEngine, _pick_device
 from hvdtrain.errors import UserError
 from hvdtrain.train.loop import apply_gradients
-from hvdtrain.train.precision import Precision
+from hvdtrain.numerics.precision import Precision
 
 CPU = torch.device("cpu")
 

@@ -14,9 +14,9 @@ from hvdtrain.cli import main
 from hvdtrain.config import TaskConfig
 from hvdtrain.data.loading import pad_collate
 from hvdtrain.errors import UserError
-from hvdtrain.train.metrics import MetricSums
+from hvdtrain.numerics.metrics import MetricSums
 from hvdtrain.engine import LocalEngine
-from hvdtrain.train.precision import Precision
+from hvdtrain.numerics.precision import Precision
 from hvdtrain.tasks import build_task
 from hvdtrain.tasks.check import best_metric, check_first_batch
 

@@ -21,7 +21,7 @@ from hvdtrain.data.sources import build_part
 from hvdtrain.engine import Engine
 from hvdtrain.errors import UserError
 from hvdtrain.train.loop import evaluate
-from hvdtrain.train.precision import Precision
+from hvdtrain.numerics.precision import Precision
 from hvdtrain.data.sampler import EvalShardSampler, FixedBatchesByRank
 from hvdtrain.after.saved_run import SavedRun
 from hvdtrain.tasks import predictions

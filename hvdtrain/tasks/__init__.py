@@ -1,7 +1,7 @@
 """Tasks: what a batch means (its loss and metrics). `--task` picks one.
 
 `base` (the Task interface), `builtin` (the four built-in tasks), `user` (a user's own), `check`
-(the first batch, before training). May import config, data.batch, train's metrics and precision.
+(the first batch, before training). May import config, data.batch and numerics; never train.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hvdtrain.data.batch import call_model, split_batch
-from hvdtrain.train.metrics import Totals, ratios
+from hvdtrain.numerics.metrics import Totals, ratios
 
 
 class Task:

@@ -1,6 +1,6 @@
 """The built-in tasks: classification, regression, multilabel, language-model.
 
-Each reports its metrics as sums and counts (see hvdtrain.train.metrics) and checks the first
+Each reports its metrics as sums and counts (see hvdtrain.numerics.metrics) and checks the first
 batch for the mistakes that would otherwise fail deep inside PyTorch.
 """
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from hvdtrain.data.batch import call_model, split_batch
 from hvdtrain.errors import UserError
-from hvdtrain.train.metrics import Totals, ratios
+from hvdtrain.numerics.metrics import Totals, ratios
 from hvdtrain.tasks.base import Task, predictions
 
 

@@ -20,8 +20,8 @@ from torch import nn
 
 from hvdtrain.data.batch import batch_size, describe
 from hvdtrain.errors import UserError, message_lines, where
-from hvdtrain.train.metrics import MetricSums, is_sum_and_count
-from hvdtrain.train.precision import Precision
+from hvdtrain.numerics.metrics import MetricSums, is_sum_and_count
+from hvdtrain.numerics.precision import Precision
 from hvdtrain.tasks.base import Task, batch_metrics, model_loss, predictions
 
 Template = dict[str, tuple[torch.Size, torch.Size]]

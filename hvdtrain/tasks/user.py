@@ -19,7 +19,7 @@ from torch import nn
 
 from hvdtrain.errors import UserError
 from hvdtrain.factory import resolve_factory
-from hvdtrain.train.metrics import Totals, ratios
+from hvdtrain.numerics.metrics import Totals, ratios
 from hvdtrain.tasks.base import Task, predictions
 
 _PARTS = ("loss", "metrics", "forward", "summarize", "predict")

@@ -16,8 +16,8 @@ from torch import nn
 
 from hvdtrain.data.batch import batch_size, to_device
 from hvdtrain.engine import Engine
-from hvdtrain.train.metrics import MetricSums
-from hvdtrain.train.precision import FP32, Precision
+from hvdtrain.numerics.metrics import MetricSums
+from hvdtrain.numerics.precision import FP32, Precision
 from hvdtrain.tasks import Task, batch_metrics, training_loss
 from hvdtrain.tasks.check import Template
 

@@ -32,7 +32,7 @@ from hvdtrain.io.run_dir import prepare_run_dir
 from hvdtrain.models import ModelShapes
 from hvdtrain.tasks import Task, build_task
 from hvdtrain.tasks.check import FirstBatch, best_metric, check_first_batch
-from hvdtrain.train.precision import Precision
+from hvdtrain.numerics.precision import Precision
 from hvdtrain.train.schedule import LearningRate
 
 

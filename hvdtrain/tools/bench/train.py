@@ -19,7 +19,7 @@ from hvdtrain.tools.bench.stats import mean_ci95
 from hvdtrain.engine import Engine, GradientSync
 from hvdtrain.data.batch import to_device
 from hvdtrain.train.loop import apply_gradients, forward_backward
-from hvdtrain.train.precision import FP32, Precision
+from hvdtrain.numerics.precision import FP32, Precision
 from hvdtrain.tasks import Task
 from hvdtrain.tasks.builtin import Classification
 
