@@ -105,6 +105,5 @@ def test_the_training_and_validation_loaders_share_one_worker_budget(budget, tra
 
     config = load_config(None, {"data.name": "user_code:blobs_split", "data.num_workers": budget})
     engine = LocalEngine(torch.device("cpu"))
-    run = build(config, engine)
-    shard(run, config, engine)
-    assert (run.train_batches.num_workers, run.val_batches.num_workers) == (train, val)
+    part = shard(build(config, engine), config, engine)
+    assert (part.train_batches.num_workers, part.val_batches.num_workers) == (train, val)

@@ -33,7 +33,9 @@ class Cursor(Protocol):
     def close(self) -> None: ...
 
 
-class Source(Protocol):
+class Stream(Protocol):
+    """What a `StreamDataset` reads: `shards.Shards`, or an `IterableSource` (one shard)."""
+
     counts: list[int]
     """Samples of the part in each shard."""
 
@@ -58,7 +60,7 @@ class StreamDataset(Dataset):
     """The samples of a stream by position; in a training epoch's shard order when asked with a
     `StreamBatch`, else in the shards' own order."""
 
-    def __init__(self, source: Source, seed: int):
+    def __init__(self, source: Stream, seed: int):
         self.source, self.seed = source, seed
         self.counts = np.asarray(source.counts, dtype=np.int64)
         self._orders: dict[int | None, tuple[np.ndarray, np.ndarray, int]] = {}

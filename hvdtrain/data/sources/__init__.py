@@ -1,0 +1,78 @@
+"""Data sources behind one interface (`base.Source`): each kind of data set is a module here that
+says which names it claims and builds its parts. `SOURCES` asks them in order; the first that
+claims `data.name` builds the train/val split for `fit` (`build_data`) and a part for evaluate and
+predict (`build_part`).
+
+Kinds: user.py (a factory's Dataset or IterableDataset), builtin.py (digits, random),
+image_folder.py (class folders of images), hugging_face.py, tar_shards.py, arrays.py (memory-mapped .npy), tokens.py (.bin token files) and
+npz.py; tensors.py holds what the in-memory kinds share.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch.utils.data import Dataset
+
+from hvdtrain.config import DataConfig
+from hvdtrain.data.sources.arrays import ArrayDirectory
+from hvdtrain.data.sources.base import DataSplit, Source
+from hvdtrain.data.sources.builtin import BUILT_IN, Digits, RandomTeacher
+from hvdtrain.data.sources.hugging_face import HuggingFace
+from hvdtrain.data.sources.image_folder import ImageFolder
+from hvdtrain.data.sources.npz import NpzFile
+from hvdtrain.data.sources.tar_shards import TarShards
+from hvdtrain.data.sources.tokens import TokenFile
+from hvdtrain.data.sources.user import UserFactory
+from hvdtrain.errors import UserError
+
+__all__ = ["BUILT_IN", "PARTS", "SOURCES", "DataSplit", "Source", "build_data", "build_part", "source_of"]
+
+SOURCES: tuple[Source, ...] = (
+    UserFactory(),  # package.module:function, before any file: a factory's name may look like one
+    Digits(),  # the built-ins by exact name, before a file or directory of that name
+    RandomTeacher(),
+    ImageFolder(),  # class folders of images, before the directory kinds below (it leaves them their files)
+    HuggingFace(),  # before the directories below: a save_to_disk directory holds other files too
+    TarShards(),  # a directory of .tar files, before a directory of arrays
+    ArrayDirectory(),
+    TokenFile(),
+    NpzFile(),
+)
+"""Every kind of data source, in the order they are asked which claims a name."""
+
+PARTS = ("val", "train", "all")
+
+
+def build_data(cfg: DataConfig, seed: int, target_key: str = "labels") -> DataSplit:
+    """The train and validation sets the config names; the same on every rank."""
+    split = source_of(cfg.name).split(cfg, seed, target_key)
+    if cfg.num_classes is not None:  # the user's word wins over what the data suggests
+        split.num_classes = cfg.num_classes
+    return split
+
+
+def build_part(cfg: DataConfig, seed: int, target_key: str, part: str, need_targets: bool = True) -> Dataset:
+    """One part of a data set for evaluation or prediction: the `train` or `val` split as `fit`
+    made it, or `all` of it in the source's own order (a factory's (train, val) pair: train first).
+    Without `need_targets`, an .npz file may hold only `x`."""
+    if part not in PARTS:
+        raise UserError(f"unknown data part '{part}': use one of {', '.join(PARTS)}")
+    if part != "all":
+        return getattr(build_data(cfg, seed, target_key), part)
+    return source_of(cfg.name).whole(cfg, seed, need_targets)
+
+
+def source_of(name: str) -> Source:
+    """The first source in `SOURCES` that claims `name`; one line naming what would be when none does."""
+    found = next((source for source in SOURCES if source.claims(name)), None)
+    if found is not None:
+        return found
+    if "/" in name or Path(name).exists():
+        found_as = "is not one of these" if Path(name).exists() else "does not exist"
+        raise UserError(f"data path '{name}' {found_as}: give a directory of x.npy and y.npy, an .npz file, "
+                        "a .bin token file, .tar shards or class folders of images")
+    raise UserError(
+        f"unknown data set '{name}': use one of {', '.join(BUILT_IN)}, a path to an .npz file, a directory "
+        "of .npy arrays, a .bin token file, or package.module:function"
+    )

@@ -1,0 +1,92 @@
+"""A user's data through a `package.module:function` factory: a torch Dataset, or a (train, val)
+pair of them, map-style or IterableDataset. Such a Dataset works unchanged, whatever its samples
+hold (see hvdtrain.data.batch); an IterableDataset that says its length is read as a stream
+(hvdtrain.data.streams) and split by rank and worker there."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import ConcatDataset, Dataset, IterableDataset
+
+from hvdtrain.config import DataConfig
+from hvdtrain.data import introspect
+from hvdtrain.data.mapped import HeldOut
+from hvdtrain.data.sources.base import DataSplit, described
+from hvdtrain.data.streams import IterableSource, StreamDataset, iterable_length, iterable_parts
+from hvdtrain.errors import UserError
+from hvdtrain.factory import call_factory, is_factory_path
+
+
+class UserFactory:
+    def claims(self, name: str) -> bool:
+        return is_factory_path(name) and not name.endswith(".npz")  # a path with a colon can be a file
+
+    def split(self, cfg: DataConfig, seed: int, target_key: str) -> DataSplit:
+        made = _made(cfg)
+        if isinstance(made, IterableDataset) or (isinstance(made, tuple) and any(isinstance(part, IterableDataset)
+                                                                                   for part in made)):
+            return _from_iterable(cfg, made, seed, target_key)
+        if isinstance(made, tuple) and len(made) == 2:
+            train, val = made
+        elif isinstance(made, Dataset):
+            train, val = _random_split(made, cfg.val_fraction, seed)
+        else:
+            raise UserError(
+                f"data factory '{cfg.name}' returned {type(made).__name__}: "
+                "return a torch Dataset or a (train, val) pair of them"
+            )
+        for part, name in ((train, "train"), (val, "val")):
+            if not hasattr(part, "__getitem__") or not hasattr(part, "__len__"):
+                raise UserError(f"data factory '{cfg.name}': its {name} set is not a map-style Dataset (needs "
+                                "__getitem__ and __len__): hvdtrain shards by index so that every rank gets the same "
+                                "number of batches; return a map-style Dataset (an IterableDataset cannot be sharded "
+                                "evenly)")
+        _require_samples(cfg, train, val)
+        return described(train, val, target_key, introspect.num_classes(train, val), introspect.held_targets(train, val))
+
+    def whole(self, cfg: DataConfig, seed: int, need_targets: bool) -> Dataset:
+        """A (train, val) pair: train first."""
+        made = _made(cfg)
+        parts = list(made) if isinstance(made, tuple) and len(made) == 2 else [made]
+        parts = [StreamDataset(_whole_stream(part, cfg), seed) if isinstance(part, IterableDataset) else part
+                 for part in parts]
+        return parts[0] if len(parts) == 1 else ConcatDataset(parts)
+
+
+def _made(cfg: DataConfig) -> Any:
+    """What the user's factory returns: the one place it is called."""
+    return call_factory(cfg.name, "data set", {}, args=cfg.args, args_key="data.args")
+
+
+def _whole_stream(dataset: IterableDataset, cfg: DataConfig) -> IterableSource:
+    return IterableSource(dataset, HeldOut(iterable_length(dataset, cfg.name)), cfg.name)
+
+
+def _require_samples(cfg: DataConfig, train: Dataset, val: Dataset) -> None:
+    if len(train) == 0 or len(val) == 0:  # type: ignore[arg-type]
+        raise UserError(f"data factory '{cfg.name}' gave an empty {'train' if len(train) == 0 else 'val'} set")  # type: ignore[arg-type]
+
+
+def _from_iterable(cfg: DataConfig, made: Any, seed: int, target_key: str) -> DataSplit:
+    """A factory's IterableDataset (or a pair of them): read as a stream, split by rank and worker here."""
+    if isinstance(made, tuple):
+        if len(made) != 2 or not all(isinstance(part, IterableDataset) for part in made):
+            raise UserError(f"data factory '{cfg.name}' returned {len(made)} data sets, not all IterableDatasets: "
+                            "return one IterableDataset, or a (train, val) pair of them")
+        train_source, val_source = (_whole_stream(part, cfg) for part in made)
+    else:
+        train_source, val_source = iterable_parts(made, cfg.name, cfg.val_fraction)
+    train, val = StreamDataset(train_source, seed), StreamDataset(val_source, seed)
+    _require_samples(cfg, train, val)
+    return described(train, val, target_key, introspect.num_classes(made[0] if isinstance(made, tuple) else made), None)
+
+
+def _random_split(dataset: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    n = len(dataset)  # type: ignore[arg-type]
+    if n < 2:
+        raise UserError(f"the data set has {n} sample(s): at least 2 are needed for train and validation")
+    n_val = min(n - 1, max(1, round(n * val_fraction)))
+    val, train = torch.utils.data.random_split(dataset, [n_val, n - n_val], generator=torch.Generator().manual_seed(seed))
+    return train, val
