@@ -3,6 +3,7 @@ alone and under horovodrun, mpirun and torchrun; what it refuses, it refuses in 
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 import hvdtrain
-from conftest import ROOT, assert_same_weights, final_weights, fit_under, python_under, requires_launchers, run
+from conftest import (ROOT, assert_ok, assert_same_weights, final_weights, fit_under, python_under,
+                      requires_launchers, run)
 from hvdtrain import UserError
 
 SCRIPT = ROOT / "tests" / "workers" / "api_script.py"
@@ -25,7 +27,7 @@ def command_run(tmp_path_factory):
     """`hvdtrain fit` under horovodrun -np 2 with the script's pieces as factories."""
     run_dir = tmp_path_factory.mktemp("command") / "run"
     done = fit_under("horovodrun-gloo", *AS_FACTORIES, "--run-dir", str(run_dir))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_ok(done)
     return run_dir
 
 
@@ -33,10 +35,15 @@ def command_run(tmp_path_factory):
 @requires_launchers
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
 def test_a_script_with_objects_ends_with_the_command_s_weights(launcher, command_run, tmp_path):
+    """The script's objects train to the command's weights, and every rank gets the same summary back
+    (rank 0's, its best epoch too)."""
     done = run([*python_under(launcher), str(SCRIPT), str(tmp_path / "run")], cwd=tmp_path, timeout=180)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert_ok(done)
     for rank in (0, 1):
         assert f"rank {rank} summary epochs 3 world size 2" in done.stdout, done.stdout[-2000:]
+    summaries = {rank: json.loads(line.split(" whole summary ", 1)[1]) for rank in (0, 1)
+                 for line in done.stdout.splitlines() if f"rank {rank} whole summary " in line}
+    assert summaries[0] == summaries[1] and summaries[0]["best_epoch"] is not None, summaries
     assert_same_weights(final_weights(command_run), final_weights(tmp_path / "run"), atol=1e-6)
 
 
@@ -47,11 +54,11 @@ def test_launch_from_a_plain_process_trains_as_the_command_and_names_a_failing_r
     """hvdtrain.launch(np=2) from `python`, not under a launcher: the script's training as a function ends
     with the command's weights, rank 0's summary comes back; a rank that fails is named in the exception."""
     done = run([sys.executable, str(LAUNCH), engine, str(tmp_path / "run")], cwd=tmp_path, timeout=180)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert_ok(done)
     assert f'summary: {{"world_size": 2, "engine": "{engine}"}}' in done.stdout
     assert_same_weights(final_weights(command_run), final_weights(tmp_path / "run"), atol=1e-6)
     failed = run([sys.executable, str(LAUNCH), engine, "fail"], cwd=tmp_path, timeout=120)
-    assert failed.returncode == 0, failed.stdout[-2000:] + failed.stderr[-3000:]
+    assert_ok(failed)
     assert "caught: rank=1 rank 1 failed: ValueError: rank one's shard is corrupt" in failed.stdout
 
 
@@ -67,9 +74,9 @@ def test_launch_refuses_what_it_cannot_run():
 def test_one_process_script_equals_the_command_alone(tmp_path):
     """The script without a launcher against the command without one (both on the local engine)."""
     done = run([sys.executable, str(SCRIPT), str(tmp_path / "script")], cwd=tmp_path, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_ok(done)
     command = fit_under(None, *AS_FACTORIES, "--run-dir", str(tmp_path / "command"))
-    assert command.returncode == 0, command.stderr[-3000:]
+    assert_ok(command)
     assert_same_weights(final_weights(tmp_path / "command"), final_weights(tmp_path / "script"), atol=0)
 
 
@@ -149,7 +156,7 @@ def test_a_model_object_named_on_the_command_line_is_one_line(tmp_path):
 def test_a_callback_on_rank_0_alone_still_stops_every_rank(tmp_path):
     done = run([*python_under("horovodrun-gloo"), str(SCRIPT), str(tmp_path / "run"), "rank0-callback"], cwd=tmp_path,
                timeout=180)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert_ok(done)
     for rank in (0, 1):
         assert f"rank {rank} summary epochs 2 world size 2" in done.stdout, done.stdout[-2000:]
     assert "hvdtrain: stopped: epoch two is enough (rank 0); at epoch 2, step" in done.stdout

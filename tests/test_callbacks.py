@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HOROVOD_AND_TORCH, fit_under, requires_launchers
+from conftest import HOROVOD_AND_TORCH, assert_ok, epoch_records, fit_under, requires_launchers, run_summary
 from hvdtrain.cli import main
 
 LOCAL = ["--progress", "off", "--engine", "local", "--threads", "1"]
@@ -46,10 +46,10 @@ def test_early_stopping_stops_at_the_epoch_patience_says(tmp_path, capsys):
     main(["fit", *LOCAL, "--data", "user_code:val_disagrees", "--model", "user_code:tiny_net", "--batch-size", "32",
           "--lr", "0.5", "--epochs", "20", "--early-stopping-patience", "2", "--set", "run.best_metric=val_loss",
           "--run-dir", str(run_dir)])
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = epoch_records(run_dir)
     losses = [r["val_loss"] for r in records]
     assert [r["epoch"] for r in records] == [1, 2, 3] and losses == sorted(losses), losses
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = run_summary(run_dir)
     assert summary["stopped"] == (f"early stopping: val_loss has not improved for 2 epochs (best {losses[0]:.4f} "
                                   "at epoch 1)")
     assert summary["epochs"] == 3 and summary["planned_epochs"] == 20
@@ -76,14 +76,14 @@ def test_a_stop_asked_on_rank_one_alone_stops_every_rank_at_the_same_step(launch
     run_dir = tmp_path / "run"
     done = fit_under(launcher, *SMALL, "--set", "data.samples=1024", "--epochs", "3", "--callback",
                      "user_code:StopOnRankOne", "--set", "run.stop_check_seconds=0", "--run-dir", str(run_dir))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert_ok(done)
     ranks = [calls(tmp_path / "record", rank) for rank in (0, 1)]
     for rank, seen in enumerate(ranks):
         assert seen[0]["hook"] == "on_fit_start" and seen[-1]["hook"] == "on_fit_end"
         assert [c["step"] for c in seen if c["hook"] == "on_step_end"] == [1, 2, 3, 4, 5], (rank, seen)
         assert {(c["rank"], c["world_size"]) for c in seen} == {(rank, 2)}
         assert seen[-1]["stopped"] == "rank one had seen enough (rank 1)"
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = run_summary(run_dir)
     assert summary["stopped"] == "rank one had seen enough (rank 1)"
     assert "hvdtrain: stopped: rank one had seen enough (rank 1)" in done.stdout + done.stderr
     import torch
@@ -96,7 +96,7 @@ def test_a_stop_before_the_first_epoch_s_end_says_where_it_stopped(tmp_path, cap
     run_dir = tmp_path / "run"
     main(["fit", *LOCAL, *SMALL, "--epochs", "3", "--callback", "user_code:StopAtStepTwo", "--set",
           "run.stop_check_seconds=0", "--run-dir", str(run_dir)])
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = run_summary(run_dir)
     assert (summary["stopped"], summary["stopped_at_epoch"], summary["stopped_at_step"]) == ("two steps are enough", 1, 2)
     assert summary["epochs"] == 0 and summary["planned_epochs"] == 3
     out = capsys.readouterr().out
@@ -111,8 +111,8 @@ def test_early_stopping_stops_every_rank_at_the_same_epoch(tmp_path):
     done = fit_under("torchrun", "--data", "user_code:val_disagrees", "--model", "user_code:tiny_net", "--batch-size",
                      "16", "--no-scale-lr", "--lr", "0.5", "--epochs", "20", "--early-stopping-patience", "2",
                      "--set", "run.best_metric=val_loss", "--run-dir", str(run_dir))  # one process x 32's curve
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    assert_ok(done)
+    summary = run_summary(run_dir)
     assert summary["stopped_at_epoch"] == 3 and summary["world_size"] == 2
     assert summary["stopped"].startswith("early stopping: val_loss has not improved for 2 epochs")
     assert "(rank" not in summary["stopped"]  # every rank asked alike: no rank to name
@@ -126,5 +126,5 @@ def test_early_stopping_resumed_keeps_the_best_epoch_so_far(tmp_path):
             "--run-dir", str(tmp_path / "run")]
     main(["fit", *args, "--epochs", "20"])
     main(["fit", *args, "--epochs", "20", "--resume"])
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = run_summary(tmp_path / "run")
     assert summary["stopped_at_epoch"] == 4 and "at epoch 1)" in summary["stopped"]

@@ -94,19 +94,22 @@ class _OneChangeOfProcesses(LocalEngine):
 def test_each_elastic_attempt_s_run_files_are_closed(tmp_path, monkeypatch):
     """An attempt ended by a change of processes leaves its TensorBoard writer open unless the next
     attempt closes it; the last attempt's files close when fit ends."""
-    from hvdtrain.train import elastic, fit
+    from hvdtrain.io.run_dir import RunFiles
+    from hvdtrain.train import fit, loggers
 
     opened = []
 
-    def recording(*args, **kwargs):
-        files = open_run_files(*args, **kwargs)
-        closed = []
-        files.close = (lambda close: lambda: (closed.append(1), close())[1])(files.close)
-        opened.append(closed)
-        return files
+    class Recording(RunFiles):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.closed = []
+            opened.append(self.closed)
 
-    open_run_files = elastic.open_run_files
-    monkeypatch.setattr(elastic, "open_run_files", recording)
+        def close(self):
+            self.closed.append(1)
+            super().close()
+
+    monkeypatch.setattr(loggers, "RunFiles", Recording)
     config = Config.from_dict({"data": {"name": "random", "samples": 256}, "train": {"epochs": 2, "elastic": True,
                                                                                     "commit_every": 1},
                                "run": {"dir": str(tmp_path / "run"), "progress": "off"}})

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT
+from conftest import ROOT, assert_ok
 
 PACKAGE = ROOT / "hvdtrain"
 MAX_LINES = 360
@@ -125,7 +125,7 @@ def test_every_module_imports_alone():
     names = sorted(_modules())
     done = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *names], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert_ok(done)
 
 
 def test_no_module_is_too_long():
@@ -137,3 +137,51 @@ def test_each_folder_says_what_it_holds():
     for init in PACKAGE.rglob("__init__.py"):
         tree = ast.parse(init.read_text())
         assert ast.get_docstring(tree), f"{init.relative_to(ROOT)} has no docstring"
+
+
+# Layers run one way: the loop's folder sits above what it uses; data and io know ranks and sizes,
+# not the engine.
+FORBIDDEN = {
+    "hvdtrain.tasks": ("hvdtrain.train",),
+    "hvdtrain.data": ("hvdtrain.train", "hvdtrain.engine"),
+    "hvdtrain.io": ("hvdtrain.train", "hvdtrain.engine"),
+    "hvdtrain.numerics": ("hvdtrain.train", "hvdtrain.tasks", "hvdtrain.data", "hvdtrain.io"),
+}
+ALLOWED_BELOW_DATA = {"hvdtrain.engine.environment"}  # the launchers' variables: no engine in it
+
+
+def test_layers_import_one_way():
+    wrong = []
+    for module, imported in _graph().items():
+        for layer, forbidden in FORBIDDEN.items():
+            if module == layer or module.startswith(layer + "."):
+                wrong += [f"{module} imports {name}" for name in sorted(imported)
+                          if name.startswith(forbidden) and name not in ALLOWED_BELOW_DATA]
+    assert not wrong, "\n".join(wrong)
+
+
+MAX_FUNCTION_LINES = 60
+MAX_PARAMETERS = 7
+
+
+def test_training_functions_stay_small():
+    """No function in train/ longer than a screen or taking more than 7 parameters (self and cls
+    aside): a feature adds a component or a hook, not one more parameter."""
+    big = []
+    for path in sorted((PACKAGE / "train").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                args = node.args
+                names = [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]]
+                count = len([n for n in names if n not in ("self", "cls")])
+                count += bool(args.vararg) + bool(args.kwarg)
+                if lines > MAX_FUNCTION_LINES or count > MAX_PARAMETERS:
+                    big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines, {count} parameters")
+    assert not big, "\n".join(big)
+
+
+def test_training_never_asks_which_sampler_it_has():
+    named = [str(path.relative_to(ROOT)) for path in sorted((PACKAGE / "train").rglob("*.py"))
+             if "StreamBatchSampler" in path.read_text() or "ShardedBatchSampler" in path.read_text()]
+    assert not named, f"train/ names a concrete sampler: {named}"

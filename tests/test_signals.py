@@ -7,7 +7,7 @@ import sys
 import time
 
 from hvdtrain.train import early_signals
-from hvdtrain.train.preemption import StopSignals
+from hvdtrain.train.stop_policy import StopSignals
 
 
 def test_a_signal_held_while_starting_is_the_stop_signal_of_training():
@@ -25,7 +25,7 @@ def test_a_held_signal_that_is_not_a_stop_signal_acts_when_training_begins():
     done = subprocess.run([sys.executable, "-c", (
         "import os, signal, time\n"
         "from hvdtrain.train import early_signals\n"
-        "from hvdtrain.train.preemption import StopSignals\n"
+        "from hvdtrain.train.stop_policy import StopSignals\n"
         "early_signals.hold(); os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.01)\n"
         "print('held', flush=True)\n"
         "with StopSignals('SIGTERM'): print('not reached', flush=True)\n")], capture_output=True, text=True)
@@ -50,7 +50,7 @@ def test_a_rank_stopping_on_another_rank_s_signal_survives_its_own_copy_coming_l
     done = subprocess.run([sys.executable, "-c", (
         "import os, signal, sys, time\n"
         "from hvdtrain.errors import StoppedBySignal\n"
-        "from hvdtrain.train.preemption import StopSignals\n"
+        "from hvdtrain.train.stop_policy import StopSignals\n"
         "try:\n"
         "    with StopSignals('SIGTERM,SIGUSR1'):\n"
         "        raise StoppedBySignal('stopped by SIGUSR1 on rank 0')\n"

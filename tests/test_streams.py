@@ -8,7 +8,6 @@ weights of a run never stopped, on both engines."""
 from __future__ import annotations
 
 import io
-import json
 import re
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import LAUNCHERS, assert_same_weights, final_weights, launch_env, requires_launchers
+from conftest import assert_ok, assert_same_weights, epoch_records, final_weights, fit_under, requires_launchers
 from hvdtrain.config import DataConfig
 from hvdtrain.data.loading import batches
 from hvdtrain.data.sources import build_data, build_part
@@ -119,7 +118,7 @@ def test_a_change_inside_an_epoch_serves_what_no_rank_had_served_each_once(stage
         steps = int(samplers[0].num_batches * share) // accumulate * accumulate
         served += [p for sampler in samplers for b in list(sampler)[:steps] for p in b]
         start += steps * batch * world
-        state = samplers[0].plan_state(start)
+        state = samplers[0].state_at(start)
     assert len(set(served)) == len(served) and 1003 - len(served) < world * batch * accumulate
     assert min(served) >= 0 and max(served) < 1003 and state["runs"] is not None  # a plan of what was left
 
@@ -134,12 +133,12 @@ def test_a_resume_on_the_same_processes_serves_the_rest_of_the_uninterrupted_ord
     order = [list(b) for b in whole]
     assert len(order) == 26 and whole.dropped == 330 - 26 * 12
     resumed = StreamBatchSampler(330, 6, 1, 2, seed=5, multiple=2, buffer=24, workers=3)
-    resumed.resume_plan(3, whole.plan_state(done * 12))
+    resumed.resume_plan(3, whole.state_at(done * 12))
     resumed.set_epoch(3, done * 12)
     assert [list(b) for b in resumed] == order[done:]
     fewer = StreamBatchSampler(300, 6, 1, 2, seed=5, multiple=2, buffer=24)  # shards removed since
     with pytest.raises(UserError, match="a stream of 330 training samples, and the data now has 300: resume with"):
-        fewer.resume_plan(3, whole.plan_state(done * 12))
+        fewer.resume_plan(3, whole.state_at(done * 12))
 
 
 def test_a_shard_is_counted_once_per_version_of_its_file(tmp_path, monkeypatch):
@@ -256,12 +255,9 @@ def test_an_iterable_dataset_with_a_length_is_a_stream_and_one_without_is_refuse
 
 
 def _fit(launcher: str | None, data: str, run_dir: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    prefix = list(LAUNCHERS[launcher]) if launcher else []
-    return subprocess.run([*prefix, "hvdtrain", "fit", "--data", data, "--epochs", "2", "--threads", "1",
-                           "--batch-size", "16", "--progress", "off", "--model", "user_code:records_indices",
-                           "--set", "run.stop_check_seconds=0", "--set", "data.shuffle_buffer=64", *args,
-                           "--run-dir", str(run_dir)],
-                          env={**launch_env(), **env}, capture_output=True, text=True, timeout=240)
+    return fit_under(launcher, "--data", data, "--epochs", "2", "--threads", "1", "--batch-size", "16",
+                     "--model", "user_code:records_indices", "--set", "run.stop_check_seconds=0",
+                     "--set", "data.shuffle_buffer=64", *args, "--run-dir", str(run_dir), env=env, timeout=240)
 
 
 STREAMS = {  # stream -> (launcher, arguments beyond the data)
@@ -293,11 +289,11 @@ def test_a_stream_stopped_inside_an_epoch_resumes_exactly_on_as_many_processes_a
     for folder in ("whole-record", "cut-record", "alone-record"):
         (tmp_path / folder).mkdir()
     done = _fit(launcher, data, whole, *args, HVDTRAIN_TEST_RECORD=str(tmp_path / "whole-record"))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_ok(done)
     assert stream == "iterable" or "streamed data: each rank reads its own range of each epoch's stream; the last 4 " \
         "of its 1,604 samples are left out (the end of the epoch's stream" in done.stdout
     per_rank = _records(tmp_path / "whole-record")
-    steps = json.loads((whole / "metrics.jsonl").read_text().splitlines()[0])["step"]
+    steps = epoch_records(whole)[0]["step"]
     epoch = steps * 16  # samples per rank per epoch
     assert len(per_rank) == 2 and all(len(numbers) == 2 * epoch for numbers in per_rank)
     for e in (0, 1):
@@ -309,13 +305,13 @@ def test_a_stream_stopped_inside_an_epoch_resumes_exactly_on_as_many_processes_a
     assert stopped.returncode == 75, stopped.stderr[-3000:]
     shutil.copytree(cut, alone)
     resumed = _fit(launcher, data, cut, *args, "--resume")
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert_ok(resumed)
     assert "samples into epoch 2" in resumed.stdout
     assert_same_weights(final_weights(whole), final_weights(cut), atol=0)
     if stream == "iterable":  # the same plan of what is left as for shards (and elastic training)
         return
     fewer = _fit(None, data, alone, *args, "--resume", HVDTRAIN_TEST_RECORD=str(tmp_path / "alone-record"))
-    assert fewer.returncode == 0, fewer.stderr[-3000:]
+    assert_ok(fewer)
     before = [n for numbers in _records(tmp_path / "cut-record") for n in numbers[epoch:]]
     (after,) = _records(tmp_path / "alone-record")
     assert 0 < len(before) < 2 * epoch and len(set(before + after)) == len(before + after)

@@ -44,13 +44,10 @@ class RunRecord:
         """(metric, best value, its epoch): the summary's, or from the epochs done."""
         if self.summary and self.summary.get("best_metric"):
             return self.summary["best_metric"], self.summary.get("best_value"), self.summary.get("best_epoch")
-        from hvdtrain.io.checkpoint import MANIFEST, best_entry
+        from hvdtrain.io.checkpoint import CheckpointStore, best_entry
 
-        try:  # an unfinished run: the checkpoints' manifest knows the metric and its direction
-            manifest = json.loads((self.path / "checkpoints" / MANIFEST).read_text())
-            name, maximize = manifest["best_metric"], bool(manifest["maximize"])
-        except (OSError, ValueError, KeyError):
-            name, maximize = "val_loss", False
+        # An unfinished run: the checkpoints' manifest knows the metric and its direction.
+        name, maximize = CheckpointStore(self.path).best_rule() or ("val_loss", False)
         found = best_entry(self.epochs, name, maximize) or {}
         return name, found.get(name), found.get("epoch")
 

@@ -10,7 +10,6 @@ checkpoint's config and shapes and takes rank 0's weights by broadcast.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,15 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvdtrain.io.checkpoint import MANIFEST, CheckpointStore, sha256_of
+from hvdtrain.io.checkpoint import MANIFEST, NAMED, CheckpointStore, sha256_of
 from hvdtrain.config import Config
 from hvdtrain.data.sources import build_data
 from hvdtrain.engine import Engine
 from hvdtrain.errors import UserError, message_lines
 from hvdtrain.models import ModelShapes
 from hvdtrain.tasks import Task, build_task
-
-NAMED = ("best", "last")
 
 
 @dataclass
@@ -82,26 +79,16 @@ def checkpoint_path(run_dir: Path, which: str) -> Path:
         return path
     if not run_dir.is_dir():
         raise UserError(f"run directory '{run_dir}' does not exist: pass the --run-dir of a finished `hvdtrain fit`")
-    path = run_dir / "checkpoints" / f"{which}.pt"
+    store = CheckpointStore(run_dir)
+    path = store.named(which)
     if not path.is_file():
         raise UserError(f"'{run_dir}' has no checkpoints ({path} is missing): pass the run directory of a `fit` "
                         "that finished at least one epoch")
-    expected = _manifest_sha256(run_dir / "checkpoints", which)
+    expected = store.recorded_sha256(which)
     if expected is not None and sha256_of(path) != expected:
         raise UserError(f"checkpoint '{path}' is corrupt or truncated (its sha256 does not match {MANIFEST}): pass "
-                        f"--checkpoint with an intact one from {run_dir / 'checkpoints'}")
+                        f"--checkpoint with an intact one from {store.dir}")
     return path
-
-
-def _manifest_sha256(directory: Path, which: str) -> str | None:
-    """The sha256 the manifest records for best.pt or last.pt; None without a readable manifest."""
-    try:
-        manifest = json.loads((directory / MANIFEST).read_text())
-        entries = sorted(manifest["checkpoints"], key=lambda e: e["epoch"])
-        name = manifest["best"] if which == "best" else entries[-1]["file"]
-        return next(e["sha256"] for e in entries if e["file"] == name)
-    except (OSError, ValueError, KeyError, IndexError, StopIteration):
-        return None
 
 
 def _meta(state: dict[str, Any]) -> dict[str, Any]:

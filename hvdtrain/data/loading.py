@@ -4,7 +4,7 @@ processes, and collate functions (`pad` for variable-length sequences, or the us
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -14,23 +14,21 @@ from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, defaul
 from hvdtrain.engine.environment import available_cores
 from hvdtrain.factory import resolve_factory
 
-if TYPE_CHECKING:
-    from hvdtrain.engine.base import Engine
 
-
-def data_workers(requested: int, dataset: Dataset, engine: Engine) -> tuple[int, int]:
+def data_workers(requested: int, dataset: Dataset, device_type: str, local_size: int) -> tuple[int, int]:
     """DataLoader workers per process, (training, validation): as asked, or a choice that keeps
-    the cores for compute. Both loaders keep their workers alive across epochs, so they share one
-    budget: validation (no backward, a fraction of the data) gets a quarter of it."""
+    the cores for compute (`device_type`: the training's, 'cuda' or 'cpu'; `local_size`: processes on
+    this host). Both loaders keep their workers alive across epochs, so they share one budget:
+    validation (no backward, a fraction of the data) gets a quarter of it."""
     if requested >= 0:
         total = requested
-    elif isinstance(dataset, TensorDataset) or engine.device.type != "cuda" or getattr(dataset, "iterates", bool)():
+    elif isinstance(dataset, TensorDataset) or device_type != "cuda" or getattr(dataset, "iterates", bool)():
         # In memory or CPU training: workers would only take cores from the compute; a user's
         # IterableDataset: each worker would iterate through the others' samples to reach its own.
         total = 0
     else:
         # dist: the host's cores are shared by its local processes; leave one for the main thread.
-        total = max(0, min(4, available_cores() // engine.local_size - 1))
+        total = max(0, min(4, available_cores() // local_size - 1))
     return total - total // 4, total // 4
 
 

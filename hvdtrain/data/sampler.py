@@ -90,7 +90,35 @@ def batch_seed(seed: int, epoch: int, position: int) -> int:
     return _splitmix64(_splitmix64((seed << 24) ^ epoch) ^ position)
 
 
-class ShardedBatchSampler(Sampler[list[int]]):
+class TrainingSampler(Sampler[list[int]]):
+    """What training asks of the sampler of its batches, map-style (`ShardedBatchSampler`) or a stream
+    (`stream_sampler.StreamBatchSampler`) alike, so that the loop never asks which it has. `len()` is
+    this rank's batches left in the epoch under way (the same on every rank)."""
+
+    global_batch: int
+    """dist: samples of all ranks in one batch."""
+    epoch: int
+    dropped: int
+    """Samples of the epoch's order that no rank trains on."""
+
+    def begin_epoch(self, epoch: int, start: int = 0, plan: dict | None = None,
+                    writer_size: int | None = None) -> None:
+        """Selects the epoch's order, `start` global positions of it already done. Going on inside an
+        epoch (a resume, elastic training's last commit): `plan` is what `state_at` gave then, if
+        anything, and `writer_size` the number of processes then."""
+        raise NotImplementedError
+
+    def state_at(self, position: int) -> dict | None:
+        """What a checkpoint taken `position` samples into the epoch keeps for `begin_epoch`'s `plan`;
+        None when the position alone says where the epoch stands."""
+        raise NotImplementedError
+
+    def dropped_note(self) -> str | None:
+        """What a run says of `dropped` as it starts; None where the README says it."""
+        return None
+
+
+class ShardedBatchSampler(TrainingSampler):
     """Yields this rank's batches of indices for one epoch (call `set_epoch` each epoch).
 
     `multiple` rounds the number of batches down to a multiple (gradient
@@ -114,6 +142,18 @@ class ShardedBatchSampler(Sampler[list[int]]):
             raise ValueError(f"start must be in [0, {self.n}], got {start}")
         self.epoch, self.start = epoch, start
         self.num_batches = ((self.n - start) // (self.global_batch * self.multiple)) * self.multiple
+
+    def begin_epoch(self, epoch: int, start: int = 0, plan: dict | None = None,
+                    writer_size: int | None = None) -> None:
+        # dist: a global batch's positions are the same for any number of processes: no plan to keep.
+        self.set_epoch(epoch, start)
+
+    def state_at(self, position: int) -> dict | None:
+        return None
+
+    @property
+    def dropped(self) -> int:  # type: ignore[override]
+        return self.n - self.start - self.num_batches * self.global_batch
 
     def __len__(self) -> int:
         return self.num_batches

@@ -20,9 +20,8 @@ from __future__ import annotations
 from typing import Iterator
 
 import numpy as np
-from torch.utils.data import Sampler
 
-from hvdtrain.data.sampler import FeistelPermutation, ShardedBatchSampler, batch_seed
+from hvdtrain.data.sampler import FeistelPermutation, ShardedBatchSampler, TrainingSampler, batch_seed
 from hvdtrain.data.streams import StreamBatch, StreamDataset
 from hvdtrain.errors import UserError
 
@@ -83,7 +82,7 @@ class Plan:
         return cls(array[:, 0], array[:, 1])
 
 
-class StreamBatchSampler(Sampler[list[int]]):
+class StreamBatchSampler(TrainingSampler):
     """This rank's batches of stream positions for one epoch (call `set_epoch` each epoch)."""
 
     def __init__(self, n: int, batch_size: int, rank: int, world_size: int, *, seed: int = 0, multiple: int = 1,
@@ -115,7 +114,21 @@ class StreamBatchSampler(Sampler[list[int]]):
         self.epoch, self.done = epoch, done // self.global_batch
         self.num_batches = self.per_rank - self.done
 
-    def plan_state(self, start: int) -> dict:
+    def begin_epoch(self, epoch: int, start: int = 0, plan: dict | None = None,
+                    writer_size: int | None = None) -> None:
+        if start:  # dist: the epoch under way, maybe on another number of processes
+            self.resume_plan(epoch, plan or {"world_size": self.world_size if writer_size is None else writer_size,
+                                             "base": 0, "runs": None, "start": start})
+        self.set_epoch(epoch, start)  # dist: a new shuffle, the same on every rank
+
+    def dropped_note(self) -> str | None:
+        """A stream's ranges are whole batches; a map-style set's drop is said in the README."""
+        if not self.dropped:
+            return None
+        return (f"streamed data: each rank reads its own range of each epoch's stream; the last {self.dropped:,} "
+                f"of its {self.n:,} samples are left out (the end of the epoch's stream: others each epoch)")
+
+    def state_at(self, start: int) -> dict:
         """What a checkpoint taken `start` samples into the epoch keeps, to go on with any number of
         processes, batch size, train.accumulate or data.shuffle_buffer."""
         whole = len(self.plan.starts) == 1 and self.plan.starts[0] == 0 and len(self.plan) == self.n
@@ -124,7 +137,7 @@ class StreamBatchSampler(Sampler[list[int]]):
                 "runs": None if whole else self.plan.state(), "start": start}
 
     def resume_plan(self, epoch: int, state: dict) -> None:
-        """Goes on with an epoch that `state` (`plan_state`) was taken in: with its plan where the ranges
+        """Goes on with an epoch that `state` (`state_at`) was taken in: with its plan where the ranges
         and blocks are the same, else with a plan of what no rank had served."""
         if int(state.get("samples", self.n)) != self.n:
             raise UserError(f"the checkpoint stopped inside epoch {epoch} of a stream of {state['samples']:,} training "
@@ -203,7 +216,7 @@ class StreamBatchSampler(Sampler[list[int]]):
 
 
 def training_sampler(dataset: object, batch_size: int, rank: int, world_size: int, *, seed: int, multiple: int,
-                     buffer: int, workers: int) -> ShardedBatchSampler | StreamBatchSampler:
+                     buffer: int, workers: int) -> TrainingSampler:
     """Rank `rank`'s batches of a training set: a slice of every global batch, or for a stream (tar
     shards, an IterableDataset) a range of the epoch's stream that it reads front to back."""
     if isinstance(dataset, StreamDataset):

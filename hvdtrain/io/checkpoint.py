@@ -1,4 +1,5 @@
-"""Checkpoints: written by rank 0 only, atomically, verified by sha256, loadable with `weights_only=True`.
+"""Checkpoints on disk, the one module that writes and reads them: written by rank 0 only, atomically,
+verified by sha256, loadable with `weights_only=True`.
 
 Layout in the run directory:
     checkpoints/epoch-0003.pt   one per checkpointed epoch (the last K and the best are kept)
@@ -9,6 +10,9 @@ Layout in the run directory:
 Writes go in an order that a crash at any moment cannot spoil: the checkpoint file
 (temporary name, fsync, rename), then the manifest (the same way), then the links,
 then deleting old files. A resume takes the newest checkpoint whose sha256 matches.
+
+What a checkpoint holds is `CheckpointState`; where a resumed run begins, read back from one, is
+`Start` (older checkpoints' keys migrated here too).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,8 +30,84 @@ import torch
 from hvdtrain.errors import UserError
 from hvdtrain.io.atomic import atomic_write, fsync_dir
 
-LAST, BEST, MANIFEST = "last.pt", "best.pt", "manifest.json"
+CHECKPOINTS, LAST, BEST, MANIFEST = "checkpoints", "last.pt", "best.pt", "manifest.json"
 REQUIRED_KEYS = ("model", "optimizer", "epoch", "step")
+NAMED = {"best": BEST, "last": LAST}
+
+
+@dataclass
+class CheckpointState:
+    """What one checkpoint holds: after `epoch` whole epochs and `step` optimizer steps; one written
+    inside an epoch also holds where in it (`position`), the epoch's sums so far and every rank's
+    random states, and of a stream the plan of what its ranks serve (`stream_plan`)."""
+
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    epoch: int
+    step: int
+    world_size: int
+    lr_batch: int
+    scaler: dict[str, Any]
+    task: str
+    shapes: dict[str, Any]
+    """What `evaluate`, `predict` and `export` rebuild the model from."""
+    config: dict[str, Any]
+    position: int | None = None
+    """Samples of the next epoch's order done; None at an epoch's end."""
+    sums: list[float | int] | None = None
+    rng: list[dict[str, Any]] | None = None
+    """Rank r's random states at index r."""
+    stream_plan: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        state = {"model": self.model, "optimizer": self.optimizer, "epoch": self.epoch, "step": self.step,
+                 "world_size": self.world_size, "lr_batch": self.lr_batch, "scaler": self.scaler, "task": self.task,
+                 "shapes": self.shapes, "config": self.config}
+        if self.position is not None:
+            state.update(position=self.position, sums=self.sums, rng=self.rng)
+        if self.stream_plan is not None:
+            state.update(stream_plan=self.stream_plan)
+        return state
+
+
+@dataclass
+class Start:
+    """Where training begins: `epoch` whole epochs done, then `position` samples into the next one's
+    order (0: at its start). A mid-epoch checkpoint also gives the epoch's sums so far, reduced over
+    ranks, and each rank's random states."""
+
+    epoch: int = 0
+    step: int = 0
+    position: int = 0
+    sums: tuple[float, int, int, int] = (0.0, 0, 0, 0)
+    rng: list[dict[str, Any]] | None = None
+    world_size: int = 0
+    lr_batch: int = 0
+    """The global batch the run's lr is for (0: a fresh run, the config's)."""
+    stream_plan: dict[str, Any] | None = None
+    """Of a stream stopped inside an epoch: what its sampler needs to go on (the sampler's `state_at`)."""
+
+    @classmethod
+    def of(cls, state: dict[str, Any]) -> "Start":
+        """Where a loaded checkpoint leaves the run."""
+        # Checkpoints from before optim.lr_batch: their lr was for one process's batch.
+        lr_batch = state.get("lr_batch") or state.get("config", {}).get("data", {}).get("batch_size", 0)
+        return cls(int(state["epoch"]), int(state["step"]), int(state.get("position", 0)),
+                   tuple(state.get("sums", (0.0, 0, 0, 0))), state.get("rng"), int(state.get("world_size", 0)),
+                   int(lr_batch), state.get("stream_plan"))
+
+
+def split_adamw_groups(saved: dict[str, Any], dims: list[int]) -> dict[str, Any]:
+    """An AdamW optimizer state from before biases and norm scales got a group of their own (one group
+    of every parameter in the model's order, whose dimensions are `dims`), split as AdamW's groups are
+    made now: weights of 2 or more dimensions, then the rest without weight decay. Anything else as it is."""
+    groups = saved.get("param_groups", [])
+    if len(groups) != 1 or len(groups[0]["params"]) != len(dims):
+        return saved  # not this model's: load_state_dict says so
+    old = groups[0]
+    split = [{**old, "params": [i for i, d in zip(old["params"], dims) if d >= 2]},
+             {**old, "weight_decay": 0.0, "params": [i for i, d in zip(old["params"], dims) if d < 2]}]
+    return {**saved, "param_groups": [g for g in split if g["params"]]}
 
 
 def best_entry(entries: list[dict[str, Any]], key: str, maximize: bool) -> dict[str, Any] | None:
@@ -53,8 +134,10 @@ def sha256_of(path: Path) -> str:
 
 
 class CheckpointStore:
+    """The checkpoints of one run directory."""
+
     def __init__(self, run_dir: Path, keep_last: int = 3, best_metric: str = "val_loss", maximize: bool = False):
-        self.dir = Path(run_dir) / "checkpoints"
+        self.dir = Path(run_dir) / CHECKPOINTS
         self.keep_last = keep_last
         self.best_metric = best_metric
         self.maximize = maximize
@@ -87,6 +170,10 @@ class CheckpointStore:
             stale.unlink(missing_ok=True)
         return path
 
+    def has_any(self) -> bool:
+        """Whether any checkpoint file is there (intact or not)."""
+        return any(self.dir.glob("epoch-*.pt"))
+
     def latest_valid(self, warn: Callable[[str], None] = lambda message: None) -> Path | None:
         """The newest checkpoint that is intact; `warn` hears about each one skipped."""
         entries = self._entries()
@@ -110,6 +197,27 @@ class CheckpointStore:
                 warn(f"{err}; trying an older one")
         return None
 
+    def named(self, which: str) -> Path:
+        """best.pt or last.pt (`which`: 'best' or 'last')."""
+        return self.dir / NAMED[which]
+
+    def recorded_sha256(self, which: str) -> str | None:
+        """The sha256 the manifest records for best.pt or last.pt; None without a readable manifest."""
+        manifest, entries = self._manifest(), self._entries()
+        try:
+            name = manifest["best"] if which == "best" else entries[-1]["file"]  # type: ignore[index]
+            return next(e["sha256"] for e in entries if e["file"] == name)
+        except (TypeError, KeyError, IndexError, StopIteration):
+            return None
+
+    def best_rule(self) -> tuple[str, bool] | None:
+        """(the metric best.pt is chosen by, whether higher is better); None without a readable manifest."""
+        manifest = self._manifest()
+        try:
+            return manifest["best_metric"], bool(manifest["maximize"])  # type: ignore[index]
+        except (TypeError, KeyError):
+            return None
+
     @staticmethod
     def load(path: Path) -> dict[str, Any]:
         """Reads a checkpoint without running pickled code (`weights_only=True`)."""
@@ -122,6 +230,13 @@ class CheckpointStore:
         if missing:
             raise UserError(f"checkpoint '{path}' lacks {', '.join(missing)}: it was not written by hvdtrain fit")
         return state
+
+    def _manifest(self) -> dict[str, Any] | None:
+        try:
+            manifest = json.loads((self.dir / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return None
+        return manifest if isinstance(manifest, dict) else None
 
     def _entries(self) -> list[dict[str, Any]]:
         path = self.dir / MANIFEST

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from hvdtrain.io.atomic import atomic_write
-from hvdtrain.io.checkpoint import best_entry
+from hvdtrain.io.checkpoint import CHECKPOINTS, CheckpointStore, best_entry
 from hvdtrain.config import RunConfig
 from hvdtrain.errors import UserError
 
@@ -59,7 +59,7 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[Path, bool]:
     if path.exists() and not path.is_dir():
         raise UserError(f"run directory '{path}' is a file: choose another --run-dir")
     has_content = path.is_dir() and any(path.iterdir())
-    has_checkpoints = any((path / "checkpoints").glob("epoch-*.pt"))
+    has_checkpoints = CheckpointStore(path).has_any()
     if cfg.resume == "auto":
         if has_checkpoints:
             return path, True
@@ -84,7 +84,7 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[Path, bool]:
     return path, False
 
 
-RUN_FILES = ("config.yaml", METRICS, "summary.json", TIMELINE, "checkpoints", "events.out.tfevents.*")
+RUN_FILES = ("config.yaml", METRICS, "summary.json", TIMELINE, CHECKPOINTS, "events.out.tfevents.*")
 
 
 def _is_run_file(entry: Path) -> bool:
@@ -148,4 +148,4 @@ class RunFiles:
         atomic_write(self.path / "summary.json", lambda handle: handle.write(text.encode()))
         for tracker in self.trackers:
             if hasattr(tracker, "finish"):  # the summary and the best checkpoint as artifacts
-                tracker.finish(self.path / "summary.json", self.path / "checkpoints" / "best.pt")
+                tracker.finish(self.path / "summary.json", CheckpointStore(self.path).named("best"))

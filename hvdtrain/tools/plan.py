@@ -19,7 +19,8 @@ from hvdtrain.engine.environment import available_cores
 from hvdtrain.data.sampler import EvalShardSampler
 from hvdtrain.data.stream_sampler import training_sampler
 from hvdtrain.data.streams import StreamDataset
-from hvdtrain.train.schedule import LearningRate
+from hvdtrain.train.schedule import learning_rate
+from hvdtrain.train.steps import StepCount
 from hvdtrain.tasks import build_task
 
 SHOWN_INDICES = 8
@@ -50,11 +51,9 @@ def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     samplers = [training_sampler(split.train, batch, r, size, seed=config.train.seed, multiple=accumulate,
                                  buffer=config.data.shuffle_buffer, workers=0) for r in range(size)]
     for sampler in samplers:
-        sampler.set_epoch(1)  # fit's first epoch
-    steps = len(samplers[0]) // accumulate
-    global_batch = batch * size * accumulate
-    lr = LearningRate.from_config(config.optim, global_batch=global_batch, batch_size=batch,
-                                  adasum=config.train.adasum, steps_per_epoch=steps, epochs=config.train.epochs)
+        sampler.begin_epoch(1)  # fit's first epoch
+    steps = StepCount.of(samplers[0], accumulate)
+    lr = learning_rate(config, steps)
     val = [EvalShardSampler(n_val, batch, r, size) for r in range(size)]
     first = [next(iter(s), []) for s in samplers]
     return {
@@ -62,9 +61,9 @@ def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "val_samples": n_val, "epochs": config.train.epochs,
         "ranks": [{**facts, "val_first": v.start, "val_stop": v.stop, "first_batch": f}
                   for facts, v, f in zip(ranks, val, first)],
-        "batch_per_rank": batch, "accumulate": accumulate, "global_batch": global_batch,
-        "steps_per_epoch": steps, "samples_per_epoch": steps * global_batch,
-        "dropped_per_epoch": n_train - steps * global_batch, "stream": isinstance(split.train, StreamDataset),
+        "batch_per_rank": batch, "accumulate": accumulate, "global_batch": steps.samples,
+        "steps_per_epoch": steps.per_epoch, "samples_per_epoch": steps.per_epoch * steps.samples,
+        "dropped_per_epoch": samplers[0].dropped, "stream": isinstance(split.train, StreamDataset),
         "lr": {"base": lr.base, "scale": lr.scale, "lr_batch": lr.lr_batch, "peak": lr.base * lr.scale, "first_step": lr(0),
                "warmup_steps": lr.warmup_steps, "schedule": lr.schedule, "total_steps": lr.total_steps,
                "last_step": lr(max(0, lr.total_steps - 1))},

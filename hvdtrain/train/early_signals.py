@@ -1,7 +1,7 @@
 """A stop signal that arrives while `fit` is still starting: Slurm's --signal (SIGUSR1 in
 launch/slurm.sbatch) can come within seconds of the start, before the imports, the engine and the
 set-up are done, and its default action would kill the rank: a requeue script would see a failure
-instead of a stop. `hold` notes SIGUSR1 from the first moment; `preemption.StopSignals` takes the
+instead of a stop. `hold` notes SIGUSR1 from the first moment; `stop_policy.StopSignals` takes the
 note over and stops at the first step with a checkpoint. SIGTERM and SIGINT keep their defaults
 while starting: a launcher ending a job that failed to start, or Ctrl-C, ends it at once (there is
 nothing to save yet). Imports nothing heavy: it runs before torch is imported.

@@ -18,15 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from hvdtrain.config import Config
-from hvdtrain.data.stream_sampler import StreamBatchSampler
 from hvdtrain.engine import Engine
 from hvdtrain.engine.base import ElasticState
 from hvdtrain.errors import UserError
-from hvdtrain.io.checkpoint import CheckpointStore
-from hvdtrain.io.progress import bar_stream, say
-from hvdtrain.io.run_dir import RunFiles
-from hvdtrain.train.epoch import Totals, finish, open_run_files, run_epoch
-from hvdtrain.train.setup import Run, build, check_same_data, check_task, keep_learning_rate, shard, start_on_root
+from hvdtrain.io.checkpoint import Start
+from hvdtrain.io.progress import say
+from hvdtrain.train.summary import Totals
+from hvdtrain.train.trainer import Hooks, Trainer
 
 
 def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any]:
@@ -37,17 +35,12 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
                         "--callback, --early-stopping-patience and --sync-batchnorm, or train without --elastic")
     # A process that joins later runs this too, while the others wait in their state
     # sync: no collective may happen before it, so set-up errors are held until then.
+    trainer = Trainer(config, engine, started)
     error: Exception | None = None
-    run: Run | None = None
-    start_epoch = step = position = lr_batch = 0
-    stream_plan = None
+    start = Start()
     try:
-        run = build(config, engine)
-        shard(run, config, engine)  # the same checks as without --elastic
-        check_task(run, config, engine)
-        start = start_on_root(config, engine, run)
-        start_epoch, step, position, lr_batch = start.epoch, start.step, start.position, start.lr_batch
-        stream_plan = start.stream_plan
+        trainer.prepare()  # the same checks as without --elastic
+        start = trainer.start_on_root()
     except Exception as err:  # noqa: BLE001 - reported on every rank by settle
         error = err
     if error is not None:
@@ -56,65 +49,64 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
     def before_sync() -> None:
         engine.settle("setup", None)
         with engine.agree("data"):
-            check_same_data(engine, run)
+            trainer.check_same_data()
 
+    run = trainer.run
     state = engine.elastic_state(
         run.model, run.optimizer, before_sync,
-        epoch=start_epoch, step=step, position=position, run_dir=str(run.run_dir), scaler=run.precision.state_dict(),
-        start_epoch=start_epoch, record=None, train_seconds=0.0, train_samples=0, lr_batch=lr_batch,
-        stream_plan=stream_plan,  # a stream's epoch under way: its ranges are per process (StreamBatchSampler)
+        epoch=start.epoch, step=start.step, position=start.position, run_dir=str(trainer.run_dir),
+        scaler=run.precision.state_dict(), start_epoch=start.epoch, record=None, train_seconds=0.0, train_samples=0,
+        lr_batch=start.lr_batch,
+        stream_plan=start.stream_plan,  # a stream's epoch under way: its ranges are per process
     )
-    sizes: list[int] = []  # the world size of each attempt
-    opened: list[RunFiles] = []  # rank 0's run files of the attempt under way
-    return engine.run_elastic(lambda current: _train(current, run, config, engine, started, sizes, opened), state)
+    attempts = _Attempts(trainer, started)
+    return engine.run_elastic(attempts.train, state)
 
 
-def _train(state: ElasticState, run: Run, config: Config, engine: Engine, started: float,
-           sizes: list[int], opened: list[RunFiles]) -> dict[str, Any]:
-    """One attempt: from the last commit to the end, with the processes there are now."""
-    if sizes and engine.is_root:
-        say(f"hvdtrain: elastic: {engine.size} processes now (were {sizes[-1]}); going on from epoch "
-            f"{state.epoch + 1}, sample {state.position} of {len(run.split.train)} in its order")
-    sizes.append(engine.size)
-    keep_learning_rate(config, state.lr_batch)  # dist: rank 0's checkpoint's, on every rank
-    shard(run, config, engine)
-    run.precision.load_state_dict(state.scaler)
-    per_step = run.train_sampler.global_batch * config.train.accumulate
-    steps_per_epoch = len(run.train_sampler) // config.train.accumulate
-    # dist: step numbers count steps of the current global batch, so the lr schedule
-    # (warm-up, cosine) stays where the run is in samples when the world size changes.
-    state.step = state.epoch * steps_per_epoch + state.position // per_step
-    run_dir = Path(state.run_dir)
-    totals = Totals(started, state.start_epoch, record=state.record,
-                    train_seconds=state.train_seconds, train_samples=state.train_samples)
-    for previous in opened:  # an attempt that a change of processes ended: its TensorBoard writer too
-        previous.close()
-    opened.clear()
-    files = open_run_files(config, engine, run, run_dir, state.epoch, state.step)
-    if files is not None:
-        opened.append(files)
-    store = CheckpointStore(run_dir, config.run.keep_last, *run.best)
-    stream = bar_stream(config.run.progress) if engine.is_root else None
-    for epoch in range(state.epoch + 1, config.train.epochs + 1):
-        first_step, first_position = state.step, state.position
+class _Attempts(Hooks):
+    """Each attempt of the elastic loop, with the processes there are then; commits as hooks."""
 
-        def after_step(step: int) -> None:
-            if (step - first_step) % config.train.commit_every == 0:
-                state.step, state.position = step, first_position + (step - first_step) * per_step
-                if isinstance(run.train_sampler, StreamBatchSampler):
-                    state.stream_plan = run.train_sampler.plan_state(state.position)
-                commit(state, run)
+    def __init__(self, trainer: Trainer, started: float):
+        self.trainer, self.started = trainer, started
+        self.sizes: list[int] = []  # the world size of each attempt
+        self.state: Any = None
+        trainer.hooks = self
 
-        step = run_epoch(run, config, engine, epoch, state.step, totals, files, store, stream,
-                         start=state.position, after_step=after_step, stream_plan=state.stream_plan)
+    def train(self, state: ElasticState) -> dict[str, Any]:
+        """One attempt: from the last commit to the end, with the processes there are now."""
+        trainer, engine = self.trainer, self.trainer.engine
+        self.state = state
+        if self.sizes and engine.is_root:
+            say(f"hvdtrain: elastic: {engine.size} processes now (were {self.sizes[-1]}); going on from epoch "
+                f"{state.epoch + 1}, sample {state.position} of {len(trainer.run.split.train)} in its order")
+        self.sizes.append(engine.size)
+        trainer.reshard()
+        trainer.run.precision.load_state_dict(state.scaler)
+        start = Start(state.epoch, state.step, state.position, world_size=engine.size, lr_batch=state.lr_batch,
+                      stream_plan=state.stream_plan)
+        totals = Totals(self.started, state.start_epoch, record=state.record, train_seconds=state.train_seconds,
+                        train_samples=state.train_samples)
+        # dist: step numbers count steps of the current global batch, so the lr schedule
+        # (warm-up, cosine) stays where the run is in samples when the world size changes.
+        state.step = trainer.begin(Path(state.run_dir), start, totals)
+        trainer.run_epochs(start, state.step)
+        return trainer.finish()
+
+    def after_step(self, step: int, done: int, position: int) -> None:
+        state = self.state
+        if done % self.trainer.config.train.commit_every == 0:
+            state.step, state.position = step, position
+            state.stream_plan = self.trainer.shard.sampler.state_at(position)
+            self._commit()
+
+    def after_epoch(self, epoch: int, step: int) -> None:
+        state, totals = self.state, self.trainer.totals
         state.epoch, state.step, state.position, state.record = epoch, step, 0, totals.record
         state.stream_plan = None
         state.train_seconds, state.train_samples = totals.train_seconds, totals.train_samples
-        commit(state, run)
-    return finish(config, engine, run, run_dir, totals, files)
+        self._commit()
 
-
-def commit(state: ElasticState, run: Run) -> None:
-    """Keeps the current state in memory; raises when processes were added or removed."""
-    state.scaler = run.precision.state_dict()
-    state.commit()
+    def _commit(self) -> None:
+        """Keeps the current state in memory; raises when processes were added or removed."""
+        self.state.scaler = self.trainer.run.precision.state_dict()
+        self.state.commit()

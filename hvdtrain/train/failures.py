@@ -1,19 +1,40 @@
-"""A failure in the middle of a run, as the rank that met it says it: where in the run, and where in
-the user's code; an exception a data-loader worker raised, by its own message, not its traceback."""
+"""A failure in the middle of a run, as each rank says it: the rank that met it names where in the run
+and where in the user's code (an exception a data-loader worker raised, by its own message, not its
+traceback); a rank whose collective broke off because of it is no second failure, and says only where
+the job stood."""
 
 from __future__ import annotations
 
 import re
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import NoReturn
 
 from hvdtrain.engine import Engine, RankFailed
-from hvdtrain.errors import FailedAt, StoppedBySignal, UserError, message_lines, where
+from hvdtrain.errors import (ANOTHER_RANK_FAILED, FailedAt, StoppedBySignal, UserError, message_lines,
+                             note_where_the_job_stood, where, where_the_job_stood)
 from hvdtrain.train.callbacks import StoppedEarly
 
+# dist: how long a rank whose collective broke off waits for the launcher to end it. The failed rank's
+# exit then comes first, and Open MPI's mpirun names the first rank to exit; hvdtrain's horovodrun and
+# torchrun end the others as soon as it has, so the wait costs nothing where a rank did fail.
+SURVIVOR_WAIT_SECONDS = 10.0
+# A launcher's end for the ranks still running once one failed (Open MPI, torchrun, horovodrun).
+_LAUNCHER_STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
-def located(err: Exception, engine: Engine, position: str) -> Exception:
-    """The user's code failed mid-run on this rank (a Dataset, the model, the task): one line
-    naming the rank, where in the run, and where in their code. Other failures pass as they are."""
-    if isinstance(err, (RankFailed, StoppedBySignal, StoppedEarly, FailedAt)) or engine.is_engine_signal(err):
+
+def located(err: Exception, engine: Engine, position: str, newest: Path | None = None) -> Exception:
+    """The user's code failed mid-run on this rank (a Dataset, the model, the task): one line naming the
+    rank, where in the run, where in their code, and on rank 0 the newest checkpoint (`newest`, last.pt).
+    A collective that broke off passes as it is (elastic training catches it by type), carrying where
+    the job stood; other failures pass as they are."""
+    if engine.is_engine_signal(err):
+        note_where_the_job_stood(err, position, _resume_from(newest if engine.is_root else None))
+        return err
+    if isinstance(err, (RankFailed, StoppedBySignal, StoppedEarly, FailedAt)):
         return err
     message = worker_message(err)
     killed = re.search(r"DataLoader worker \(pid[^)]*\) is killed by signal: (\w+)", message)
@@ -32,10 +53,25 @@ def located(err: Exception, engine: Engine, position: str) -> Exception:
         located = FailedAt(f"rank {engine.rank} failed at {position}: {message}", after_rank_0=True)
         located.exit_code = UserError.exit_code  # type: ignore[attr-defined]
     else:
+        resume = _resume_from(newest if engine.is_root else None)
         located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message}{where(err)}; "
-                           "every rank stops (--debug shows the traceback)")
+                           f"every rank stops (--debug shows the traceback){resume}")
     located.__cause__ = err
     return located
+
+
+def leave_after_another_rank(err: Exception, rank: int, debug: bool) -> NoReturn:
+    """This rank's collective broke off because another rank failed or left (or Horovod's stall inspector
+    ended the job): not this rank's failure. Rank 0 says where the job stood, as a note; then each such
+    rank waits for the launcher to end it and exits with ANOTHER_RANK_FAILED."""
+    if debug:
+        traceback.print_exc()
+    if rank == 0:  # dist: one note, from the rank that holds the run directory
+        position, resume = where_the_job_stood(err) or ("", "")
+        print(f"hvdtrain: the job stopped in a collective{f' ({position})' if position else ''}, as another rank "
+              f"failed or left (its own line, or the launcher's, names it){resume}", file=sys.stderr, flush=True)
+    _wait_for_the_launcher(SURVIVOR_WAIT_SECONDS)
+    sys.exit(ANOTHER_RANK_FAILED)
 
 
 def worker_message(err: Exception) -> str:
@@ -46,3 +82,30 @@ def worker_message(err: Exception) -> str:
         last = text.strip().splitlines()[-1]
         return last.split(": ", 1)[1] if ": " in last else last
     return message_lines(err)
+
+
+def _resume_from(newest: Path | None) -> str:
+    """`; ... --resume` naming the newest checkpoint; "" where it is not known here."""
+    if newest is None:
+        return ""
+    if not newest.exists():
+        return "; no checkpoint was written yet"
+    return f"; the newest checkpoint is {newest}: continue with --resume"
+
+
+class _Ended(Exception):
+    """The launcher's signal came: the wait is over."""
+
+
+def _wait_for_the_launcher(seconds: float) -> None:
+    def ended(number: int, frame: object) -> None:
+        raise _Ended
+
+    for number in _LAUNCHER_STOPS:
+        signal.signal(number, ended)
+    try:
+        time.sleep(seconds)
+    except _Ended:
+        pass
+    for number in _LAUNCHER_STOPS:  # a second one ends the exit's own clean-up, as it would any process
+        signal.signal(number, signal.SIG_DFL)

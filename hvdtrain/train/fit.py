@@ -6,7 +6,7 @@
 
 From Python: `fit(Config(), start_engine())`. The engine is an argument so the same
 code runs on Horovod, on one local process, and in tests. Sits above both kinds of fit:
-plain (`plain`) and elastic (`elastic`), which share `setup` and `epoch`.
+plain (`plain`) and elastic (`elastic`), which drive one `trainer.Trainer`.
 """
 
 from __future__ import annotations

@@ -92,13 +92,31 @@ def forward_backward(model: nn.Module, task: Task, batch: Any, precision: Precis
     return loss.detach()
 
 
-def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engine, task: Task, batches: Iterable,
-                *, first_step: int, learning_rate: Callable[[int], float], accumulate: int = 1,
-                clip_grad_norm: Optional[float] = None, precision: Precision = FULL_PRECISION,
-                channels_last: bool = False, nonfinite: str = "error", sums: EpochSums | None = None,
+@dataclass(frozen=True)
+class Training:
+    """What each optimizer step of a run takes besides its batches (the same every epoch)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    task: Task
+    learning_rate: Callable[[int], float]
+    accumulate: int = 1
+    clip_grad_norm: Optional[float] = None
+    precision: Precision = FULL_PRECISION
+    channels_last: bool = False
+    nonfinite: str = "error"
+    augment: Optional[Callable[[Any, int, int, int], Any]] = None
+    """Images: each batch, once on the device, made the augmented float batch the model sees from
+    (batch, epoch, step, rank) (hvdtrain.data.augment); None: batches reach the model as loaded."""
+
+
+def train_epoch(training: Training, engine: Engine, batches: Iterable, *, first_step: int, epoch: int = 0,
+                sums: EpochSums | None = None,
                 on_step: Callable[[int, torch.Tensor], None] | None = None) -> tuple[EpochResult, int]:
     """Trains on every batch; returns the epoch's reduced loss and the next step number. `sums`
     (updated after each step, before `on_step`) may start where a mid-epoch checkpoint left them."""
+    model, optimizer, task, accumulate = training.model, training.optimizer, training.task, training.accumulate
+    precision, learning_rate = training.precision, training.learning_rate
     model.train()
     device = engine.device
     sums = sums if sums is not None else EpochSums()
@@ -112,16 +130,18 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, engine: Engi
             for group in optimizer.param_groups:  # a user's optimizer's groups keep their ratios
                 group["lr"] = learning_rate(step) * group.get("lr_ratio", 1.0)
         window_batches.append(batch)  # as loaded (on the host): only a failing step looks at it
-        batch = to_device(batch, device, channels_last)
+        batch = to_device(batch, device, training.channels_last)
+        if training.augment is not None:  # each micro-batch draws its own; dist: each rank its own
+            batch = training.augment(batch, epoch, step * accumulate + index % accumulate, engine.rank)
         size = batch_size(batch)
         loss = forward_backward(model, task, batch, precision, accumulate)
         window_losses.append(loss * size)
         window_samples += size
         if (index + 1) % accumulate == 0:
-            if apply_gradients(model, optimizer, engine, clip_grad_norm, precision, check_finite=True):
+            if apply_gradients(model, optimizer, engine, training.clip_grad_norm, precision, check_finite=True):
                 loss_sum += torch.stack(window_losses).sum()
                 sums.kept += window_samples
-            elif nonfinite == "skip":
+            elif training.nonfinite == "skip":
                 sums.skipped += 1
             else:
                 _stop_on_nonfinite(engine, step, torch.stack(window_losses).sum(), window_batches)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hvdtrain.config import OptimConfig
+from hvdtrain.config import Config, OptimConfig
+from hvdtrain.train.steps import StepCount
 
 
 # OneCycle's shape (Smith and Topin, 2018; torch's OneCycleLR defaults): a cosine rise over the first
@@ -62,6 +63,14 @@ class LearningRate:
                 return _cosine_between(ONECYCLE_START, 1.0, progress / ONECYCLE_RISE)
             return _cosine_between(1.0, ONECYCLE_END, (progress - ONECYCLE_RISE) / (1 - ONECYCLE_RISE))
         return 1.0
+
+
+def learning_rate(config: Config, steps: StepCount) -> LearningRate:
+    """The run's schedule for the current world size (on resume, after `setup.keep_learning_rate`)."""
+    return LearningRate.from_config(
+        config.optim, global_batch=steps.samples, batch_size=config.data.batch_size,
+        adasum=config.train.adasum, steps_per_epoch=steps.per_epoch, epochs=config.train.epochs,
+    )
 
 
 def _cosine_between(start: float, end: float, progress: float) -> float:

@@ -9,6 +9,7 @@ first, then the model after seeding with train.seed (0), as the command builds t
 than 0 build their model from another seed: hvdtrain starts every rank from rank 0's weights.
 """
 
+import json
 import os
 import sys
 
@@ -27,3 +28,4 @@ callbacks = [StopAtEpochTwo()] if sys.argv[2:] == ["rank0-callback"] and rank ==
 summary = hvdtrain.fit(model=model, data=data, task=torch.nn.CrossEntropyLoss(), epochs=3, batch_size=16,
                        run_dir=sys.argv[1], progress="off", overrides={"optim.momentum": 0.5}, callbacks=callbacks)
 print(f"rank {rank} summary epochs {summary['epochs']} world size {summary['world_size']}", flush=True)
+print(f"rank {rank} whole summary {json.dumps(summary, sort_keys=True)}", flush=True)  # the same on every rank

@@ -1,6 +1,6 @@
 """Stopping inside an epoch: signals (SIGTERM from Slurm, Kubernetes or a launcher, SIGUSR1 from
-Slurm's --signal), checkpoints every N steps or M minutes, and the RNG states that make a resume
-from the middle of an epoch exact.
+Slurm's --signal), checkpoints every N steps or M minutes, and a callback's stop: the `StopPolicy`
+that `Trainer` asks after each optimizer step and at each epoch's end.
 
 A signal may reach one rank, some or all of them. Each rank only notes it; about every half second,
 at an optimizer step they all agree on, the ranks add up what they noted in one tiny allreduce, so
@@ -9,13 +9,12 @@ all of them see the same answer at the same step, write the checkpoint there tog
 
 from __future__ import annotations
 
-import random
+import functools
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from hvdtrain.config import RunConfig
@@ -23,6 +22,11 @@ from hvdtrain.config.schema import signal_numbers
 from hvdtrain.engine import Engine
 from hvdtrain.errors import StoppedBySignal
 from hvdtrain.train import early_signals
+from hvdtrain.train.callbacks import Callbacks, StoppedEarly
+
+# What a stop raises, made only at the raise (`raise stop()`): an exception held in a local of a frame
+# in its own traceback would keep that frame, and the data-loader workers it iterates, alive past exit.
+Stop = Callable[[], Exception]
 
 
 class StopSignals:
@@ -68,8 +72,9 @@ class StopSignals:
         self.received, self._received_at = number, now
 
 
-class StepCheck:
-    """After each optimizer step: whether to write a checkpoint here, and whether to stop after it.
+class StopPolicy:
+    """After each optimizer step: whether to write a checkpoint here, and whether to stop after it;
+    at an epoch's end, whether to stop there.
 
     Every-N-steps checkpoints need no agreement (the step count is the same everywhere); a signal
     and rank 0's clock do, so they travel in one small allreduce. Not after every step: about every
@@ -79,7 +84,7 @@ class StepCheck:
 
     MAX_INTERVAL = 1000
 
-    def __init__(self, cfg: RunConfig, engine: Engine, signals: StopSignals | None, callbacks: Any = None):
+    def __init__(self, cfg: RunConfig, engine: Engine, signals: StopSignals | None, callbacks: Callbacks | None = None):
         self.every_steps = cfg.checkpoint_every_steps
         self.every_seconds = cfg.checkpoint_every_minutes * 60 if cfg.checkpoint_every_minutes else None
         self.check_seconds = cfg.stop_check_seconds
@@ -92,7 +97,7 @@ class StepCheck:
         self.next_check, self.interval = 0, 1
         self.last_check: tuple[int, float] | None = None  # (step, time) of the previous check
 
-    def __call__(self, step: int, last_of_epoch: bool) -> tuple[bool, str | None]:
+    def after_step(self, step: int, last_of_epoch: bool) -> tuple[bool, str | None]:
         """(checkpoint now, the signal to stop for or None) at global step `step`."""
         stop = None
         due = self.every_steps is not None and step % self.every_steps == 0 and not last_of_epoch
@@ -120,13 +125,32 @@ class StepCheck:
         """A checkpoint was written at an epoch's end."""
         self.last_checkpoint = time.monotonic()
 
-    def at_epoch_end(self) -> str | None:
-        """The signal to stop for, agreed at an epoch's end (one arriving during evaluation or the
-        epoch's checkpoint), or None."""
+    def stop_at_step(self, stop: str | None, epoch: int, step: int) -> Stop | None:
+        """What stops every rank after `after_step` said (`stop`: its signal), at `step` of `epoch`;
+        None to go on."""
+        if stop is not None:
+            return functools.partial(StoppedBySignal, f"stopped by {stop} at epoch {epoch}, step {step:,}: "
+                                     "checkpoint written; continue with --resume")
+        if self.callback_stop:  # dist: every rank learnt it in the same check, at this step
+            return functools.partial(StoppedEarly, self.callbacks.reason(), epoch, step)  # type: ignore[union-attr]
+        return None
+
+    def at_epoch_end(self, epoch: int, step: int) -> Stop | None:
+        """What stops every rank at the end of `epoch` (not the last): a signal agreed there (one arriving
+        during evaluation or the epoch's checkpoint), else a callback's stop; None to go on."""
+        # dist: a signal during evaluation or the checkpoint write stops every rank here, not a step later.
+        stop = self._signal_at_epoch_end()
+        if stop is not None:
+            return functools.partial(StoppedBySignal, f"stopped by {stop} at the end of epoch {epoch}, step "
+                                     f"{step:,}: checkpoint written; continue with --resume")
+        reason = self.callbacks.agree() if self.callbacks else None  # dist: one answer for every rank
+        return functools.partial(StoppedEarly, reason, epoch, step) if reason is not None else None
+
+    def _signal_at_epoch_end(self) -> str | None:
         numbers = self.signals.numbers if self.signals else []
         if not numbers:
             return None
-        noted = [float(self.signals.received == n) for n in numbers]
+        noted = [float(self.signals.received == n) for n in numbers]  # type: ignore[union-attr]
         flags = self.engine.allreduce_sum(torch.tensor(noted, dtype=torch.float64), "stop_check_epoch_end").tolist()
         return next((signal.Signals(n).name for n, count in zip(numbers, flags) if count > 0), None)
 
@@ -140,27 +164,18 @@ class StepCheck:
         return max(1, min(self.MAX_INTERVAL, int(self.check_seconds / max(per_step, 1e-6))))
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's random states (torch, CUDA, numpy, Python), as tensors and numbers only, so a
-    checkpoint holding them still loads with weights_only=True."""
-    kind, keys, position, has_gauss, gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+class NeverStop(StopPolicy):
+    """Elastic training's policy: no signals, no checkpoints inside an epoch, no callbacks (its commits
+    are its checkpoints; Horovod's driver replaces a worker that dies)."""
 
+    def __init__(self) -> None:
+        self.callback_stop = False
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    saved = state["numpy"]
-    np.random.set_state((saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["position"],
-                         saved["has_gauss"], saved["gauss"]))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    def after_step(self, step: int, last_of_epoch: bool) -> tuple[bool, str | None]:
+        return False, None
+
+    def saved(self) -> None:
+        pass
+
+    def at_epoch_end(self, epoch: int, step: int) -> Stop | None:
+        return None

@@ -1,0 +1,168 @@
+"""The checkpoint protocol of a run: what goes into a checkpoint (from the run), rank 0's write in a
+thread of its own while every rank waits for it, and the restore into the model and optimizer when a
+run resumes. The files themselves are `hvdtrain.io.checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from hvdtrain.config import Config
+from hvdtrain.data.sampler import TrainingSampler
+from hvdtrain.engine import Engine
+from hvdtrain.errors import UserError, message_lines
+from hvdtrain.io.checkpoint import CheckpointState, CheckpointStore, Start, split_adamw_groups
+from hvdtrain.io.progress import say
+from hvdtrain.train.loop import EpochSums
+from hvdtrain.train.random_state import rng_state
+from hvdtrain.train.running_stats import share_running_stats
+from hvdtrain.train.setup import Run, unwrapped
+
+POLL_SECONDS = 0.5
+WRITER_JOIN_SECONDS = 60.0  # how long a failing rank 0 lets its write finish before it goes on
+
+
+class Checkpointer:
+    """The run's checkpoints, written together: every rank calls `save_epoch` and `save_inside` at the
+    same step (rank 0 writes, the others wait for it to say whether it could)."""
+
+    def __init__(self, run: Run, config: Config, engine: Engine, run_dir: Path, best: tuple[str, bool]):
+        self.run, self.config, self.engine = run, config, engine
+        self.store = CheckpointStore(run_dir, config.run.keep_last, *best)
+
+    @property
+    def last(self) -> Path:
+        """Where the newest checkpoint is (on rank 0's file system)."""
+        return self.store.named("last")
+
+    def save_epoch(self, epoch: int, step: int, lr_batch: int, metrics: dict[str, float]) -> None:
+        """At the end of `epoch`, with its validation metrics."""
+        self._save_together(lambda: (self._state(epoch, step, lr_batch), epoch, metrics))
+
+    def save_inside(self, epoch: int, step: int, lr_batch: int, position: int, sums: EpochSums,
+                    sampler: TrainingSampler) -> None:
+        """Inside `epoch`, `position` samples into its order: the sums so far reduced over ranks, each
+        rank's random states, then rank 0 writes."""
+        engine = self.engine
+        local = torch.stack([torch.as_tensor(sums.loss, dtype=torch.float64).cpu(),
+                             torch.tensor(float(sums.samples), dtype=torch.float64),
+                             torch.tensor(float(sums.kept), dtype=torch.float64)])
+        reduced = engine.allreduce_sum(local, "checkpoint_sums").tolist()  # dist
+        share_running_stats(self.run.model, engine, self.config.train.dist_bn)
+        states = engine.allgather_object(rng_state(), "checkpoint_rng")  # dist: rank r's at index r
+
+        def state() -> tuple[CheckpointState, int, dict[str, float]]:
+            saved = self._state(epoch - 1, step, lr_batch)
+            saved.position, saved.rng = position, states
+            saved.sums = [reduced[0], int(reduced[1]), int(reduced[2]), sums.skipped]
+            saved.stream_plan = sampler.state_at(position)  # where each rank's range stands, for any world size
+            return saved, epoch - 1, {}
+
+        self._save_together(state)
+
+    def _state(self, epoch: int, step: int, lr_batch: int) -> CheckpointState:
+        run = self.run
+        return CheckpointState(unwrapped(run.model).state_dict(), run.optimizer.state_dict(), epoch, step,
+                               self.engine.size, lr_batch, run.precision.state_dict(), run.task.name,
+                               run.shapes.to_dict(), self.config.to_dict())
+
+    def _save_together(self, make: Callable[[], tuple[CheckpointState, int, dict]]) -> None:
+        """Rank 0 writes a checkpoint while every rank waits for it; a failure to write (a full disk) or
+        a write slower than run.checkpoint_timeout seconds stops every rank with one line."""
+        engine, timeout = self.engine, self.config.run.checkpoint_timeout
+        with engine.agree("checkpoint"):  # dist: the others learn how rank 0's write went
+            writer = _Writer(self.store, make) if engine.is_root else None
+            engine.at("waiting for rank 0 to write a checkpoint")
+            started = time.monotonic()
+            # dist: not one long wait in a collective (the stall watchdog, Horovod's stall inspector and
+            # the process group's timeout would each end a healthy job during a slow write) but short
+            # ones: every POLL_SECONDS a tiny allreduce of whether rank 0's writer thread is done.
+            try:
+                while True:
+                    done = writer.wait(POLL_SECONDS) if writer is not None else False
+                    late = writer is not None and not done and time.monotonic() - started > timeout
+                    flags = engine.allreduce_sum(torch.tensor([float(done), float(late)]), "checkpoint_written").tolist()
+                    if flags[0] or flags[1]:
+                        break
+            except BaseException:
+                if writer is not None:  # another rank was lost meanwhile: not with a write still reading the model
+                    writer.wait(WRITER_JOIN_SECONDS)
+                raise
+            if writer is not None:  # the others learn of a failure in the agreement, from rank 0's line
+                writer.raise_failure(self.store, late, timeout)
+
+
+class _Writer:
+    """Rank 0's checkpoint write, in a thread of its own so that its main thread can keep telling
+    the others it is still writing."""
+
+    def __init__(self, store: CheckpointStore, make: Callable[[], tuple[CheckpointState, int, dict]]):
+        self.error: Exception | None = None
+        self._thread = threading.Thread(target=self._write, args=(store, make), name="hvdtrain-checkpoint-writer",
+                                        daemon=True)  # a write stuck on a dead disk must not hold the exit
+        self._thread.start()
+
+    def _write(self, store: CheckpointStore, make: Callable[[], tuple[CheckpointState, int, dict]]) -> None:
+        try:
+            state, epoch, metrics = make()
+            store.save(state.to_dict(), epoch, metrics)
+        except Exception as err:  # noqa: BLE001 - raised in the main thread by raise_failure
+            self.error = err
+
+    def wait(self, seconds: float) -> bool:
+        self._thread.join(seconds)
+        return not self._thread.is_alive()
+
+    def raise_failure(self, store: CheckpointStore, late: bool, timeout: float) -> None:
+        if late:
+            raise UserError(f"writing a checkpoint into {store.dir} took longer than run.checkpoint_timeout "
+                            f"({timeout:g} s); the checkpoints before it are intact: check that file system, or "
+                            "raise run.checkpoint_timeout, then continue with --resume")
+        err = self.error
+        if isinstance(err, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else message_lines(err)
+            raise UserError(f"could not write a checkpoint into {store.dir}: {reason}; the "
+                            "checkpoints before it are intact: free space, then continue with --resume") from err
+        if err is not None:
+            raise err
+
+
+def restore(run: Run, config: Config, run_dir: Path) -> Start:
+    """Rank 0: loads the newest intact checkpoint into the model, optimizer and gradient scaler, and
+    says where the run goes on from."""
+    path = CheckpointStore(run_dir).latest_valid(warn=lambda message: say(f"hvdtrain: warning: {message}"))
+    if path is None:
+        raise UserError(f"no intact checkpoint to resume in '{run_dir}/checkpoints': every one is corrupt or "
+                        "missing; start a new run with --overwrite or another --run-dir")
+    state = CheckpointStore.load(path)
+    written_by = state.get("task")
+    if written_by and written_by != run.task.name:  # the same shapes can still mean another loss and metrics
+        raise UserError(f"checkpoint '{path}' was written by task '{written_by}', and this run's task is "
+                        f"'{run.task.name}': resume with --task {written_by}, or start a new run in another --run-dir")
+    try:
+        unwrapped(run.model).load_state_dict(state["model"])
+    except RuntimeError as err:
+        raise UserError(f"checkpoint '{path}' does not fit this model: {message_lines(err, 3)}; "
+                        "resume with the model settings it was written with") from err
+    try:
+        run.optimizer.load_state_dict(_optimizer_state(state["optimizer"], run, config))
+    except (ValueError, KeyError) as err:
+        raise UserError(f"checkpoint '{path}' has optimizer state that does not fit optim.name "
+                        f"'{config.optim.name}': {err}") from err
+    run.precision.load_state_dict(state.get("scaler", {}))
+    start = Start.of(state)
+    inside = f", {start.position} samples into epoch {state['epoch'] + 1}" if start.position else ""
+    say(f"hvdtrain: resuming from {path} (epoch {state['epoch']}, step {state['step']}{inside})")
+    return start
+
+
+def _optimizer_state(saved: dict[str, Any], run: Run, config: Config) -> dict[str, Any]:
+    """The saved optimizer state as this run's optimizer takes it: AdamW's from before its two groups split."""
+    if config.optim.name != "adamw" or len(run.optimizer.param_groups) == 1:
+        return saved
+    return split_adamw_groups(saved, [p.dim() for p in unwrapped(run.model).parameters()])

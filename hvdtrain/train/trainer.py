@@ -1,0 +1,240 @@
+"""The fit object: `Trainer` owns the run, its config and engine, and the components around the loop:
+the checkpointer, the loggers and the stop policy (and the user's callbacks). Plain and elastic `fit`
+drive it alike: `prepare`, then `begin` for the processes there are, then `run_epochs`, then `finish`;
+elastic training adds its commits as `Hooks`.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hvdtrain.config import Config
+from hvdtrain.engine import Engine
+from hvdtrain.io.checkpoint import Start
+from hvdtrain.io.run_dir import prepare_run_dir
+from hvdtrain.train.callbacks import Callbacks, StoppedEarly
+from hvdtrain.train.checkpointer import Checkpointer, restore
+from hvdtrain.train.failures import located
+from hvdtrain.train.loggers import Loggers
+from hvdtrain.data.augment import on_device
+from hvdtrain.train.loop import EpochResult, EpochSums, EvalResult, Training, evaluate, train_epoch
+from hvdtrain.train.random_state import seed_epoch, set_rng_state
+from hvdtrain.train.running_stats import share_running_stats
+from hvdtrain.train.schedule import learning_rate
+from hvdtrain.train.setup import Run, Shard, build, check_same_data, check_task, keep_learning_rate, shard
+from hvdtrain.train.stop_policy import NeverStop, StopPolicy
+from hvdtrain.train.summary import Totals, say_how_it_ended, summarize
+
+
+class Hooks:
+    """Points of the epochs where a kind of fit adds its own work (elastic training: its commits)."""
+
+    def after_step(self, step: int, done: int, position: int) -> None:
+        """After optimizer step `step`, `done` steps into this epoch's training, at global `position` of its order."""
+
+    def after_epoch(self, epoch: int, step: int) -> None:
+        """After `epoch` is recorded and checkpointed; `step`: the steps done."""
+
+
+@dataclass
+class _Epoch:
+    """The epoch under way."""
+
+    number: int
+    first_step: int
+    start: int
+    """The global position of its order that training starts from."""
+    steps: int
+    """Optimizer steps it trains (from `start`)."""
+    sums: EpochSums
+    where: str
+    """Where a failure of the user's code is reported."""
+
+
+class Trainer:
+    """One `fit`. Nothing distributed happens in the constructor; every method that is a collective
+    says so, and every rank calls it at the same point."""
+
+    def __init__(self, config: Config, engine: Engine, started: float):
+        self.config, self.engine = config, engine
+        self.totals = Totals(started, 0)
+        self.callbacks = Callbacks([])
+        self.stops: StopPolicy = NeverStop()
+        self.hooks = Hooks()
+        self.run_dir: Path | None = None  # rank 0's, until `begin`
+        self.loggers: Loggers | None = None
+
+    # --- set-up, the same for plain and elastic fit
+
+    def prepare(self) -> None:
+        """Data, model and optimizer, this rank's shard, and the task checked on one batch (no collectives)."""
+        self.run: Run = build(self.config, self.engine)
+        self.shard: Shard = shard(self.run, self.config, self.engine)
+        self.first, self.best = check_task(self.run, self.config, self.engine)
+
+    def check_same_data(self) -> None:
+        check_same_data(self.run, self.engine)  # dist
+
+    def start_on_root(self) -> Start:
+        """On rank 0, after every check passed: the run directory, and the checkpoint when resuming.
+        Returns where training begins; the beginning elsewhere."""
+        if not self.engine.is_root:  # dist: rank 0 alone owns the run directory
+            return Start()
+        self.run_dir, resuming = prepare_run_dir(self.config.run)
+        return restore(self.run, self.config, self.run_dir) if resuming else Start()
+
+    def reshard(self) -> None:
+        """This rank's batches for the processes there are now."""
+        self.shard = shard(self.run, self.config, self.engine)
+
+    def begin(self, run_dir: Path, start: Start, totals: Totals) -> int:
+        """The components for the processes there are now, from `start`: the learning rate (the run's own
+        reference batch, on resume), the loggers (rank 0's run files) and the checkpointer. Returns the
+        step number there."""
+        config, engine, steps = self.config, self.engine, self.shard.steps
+        self.run_dir, self.totals = run_dir, totals
+        keep_learning_rate(config, start.lr_batch)  # dist: rank 0's checkpoint's, on every rank
+        self.learning_rate = learning_rate(config, steps)
+        self.training = Training(self.run.model, self.run.optimizer, self.run.task, self.learning_rate,
+                                 config.train.accumulate, config.optim.clip_grad_norm, self.run.precision,
+                                 config.train.channels_last, config.train.nonfinite,
+                                 on_device(self.run.split.train))
+        step = steps.at(start.epoch, start.position)
+        if self.loggers is not None:  # an attempt that a change of processes ended: its TensorBoard writer too
+            self.loggers.close()
+        self.loggers = Loggers(config, engine, run_dir)
+        self.loggers.open(start.epoch, step, f"world size {engine.size}, global batch {steps.samples}, "
+                          f"{len(self.shard.sampler)} batches per rank per epoch", self.shard.sampler.dropped_note())
+        self.checkpointer = Checkpointer(self.run, config, engine, run_dir, self.best)
+        return step
+
+    # --- the epochs
+
+    def run_epochs(self, start: Start, step: int) -> None:
+        """Every epoch after `start` (going on inside the first where it stopped there)."""
+        for epoch in range(start.epoch + 1, self.config.train.epochs + 1):
+            resumed = start if epoch == start.epoch + 1 and start.position else None
+            step = self.run_epoch(epoch, step, resumed)
+            self.hooks.after_epoch(epoch, step)
+
+    def run_epoch(self, epoch: int, step: int, resumed: Start | None = None) -> int:
+        """Trains one epoch (from where `resumed` stopped inside it), evaluates, and on rank 0 records it
+        and checkpoints. Returns the next step number."""
+        now = self._begin_epoch(epoch, step, resumed)
+        train, val, step, seconds = self._train_and_evaluate(now)
+        metrics = self._record(now, train, val, step, seconds)
+        last = epoch == self.config.train.epochs
+        saved = epoch % self.config.run.checkpoint_every == 0 or last
+        if saved:
+            self._save_epoch(epoch, step, metrics)
+        if self.callbacks:
+            self.callbacks.call("on_epoch_end", epoch, step, self.totals.record)
+        stop = self.stops.at_epoch_end(epoch, step) if not last else None  # dist: one answer for every rank
+        if stop is not None:
+            if not saved:
+                self._save_epoch(epoch, step, metrics)
+            raise stop()
+        return step
+
+    def _begin_epoch(self, epoch: int, step: int, resumed: Start | None) -> _Epoch:
+        engine = self.engine
+        sums = EpochSums()
+        if resumed is not None and engine.is_root:  # dist: the reduced sums once, on one rank
+            sums = EpochSums(*resumed.sums)
+        if resumed is not None and resumed.rng is not None and len(resumed.rng) == engine.size:
+            set_rng_state(resumed.rng[engine.rank])  # dist: each rank's own, exactly where it stopped
+        else:  # a new epoch, or another world size: each rank's randomness is its own anyway
+            seed_epoch(self.config.train.seed, epoch, engine.rank)
+        start = resumed.position if resumed is not None else 0
+        sampler = self.shard.sampler
+        sampler.begin_epoch(epoch, start, resumed.stream_plan if resumed is not None else None,
+                            resumed.world_size if resumed is not None else engine.size)
+        steps = self.shard.steps.left(sampler)
+        self.loggers.begin_epoch(epoch, steps, step)  # type: ignore[union-attr]
+        return _Epoch(epoch, step, start, steps, sums, f"epoch {epoch}, step {step + 1}")
+
+    def _train_and_evaluate(self, now: _Epoch) -> tuple[EpochResult, EvalResult, int, float]:
+        engine, run, epoch = self.engine, self.run, now.number
+        engine.at(f"epoch {epoch}, training from step {now.first_step}")
+        epoch_start = time.perf_counter()
+        try:
+            train, step = train_epoch(self.training, engine, self.shard.train_batches, first_step=now.first_step,
+                                      epoch=epoch,
+                                      sums=now.sums, on_step=functools.partial(self._after_step, now))
+            seconds = time.perf_counter() - epoch_start
+            self.loggers.end_epoch()  # type: ignore[union-attr]
+            engine.at(f"epoch {epoch}, evaluation")
+            now.where = f"epoch {epoch}, evaluation"
+            share_running_stats(run.model, engine, self.config.train.dist_bn)  # dist: what validation and checkpoint use
+            val = evaluate(run.model, engine, run.task, self.shard.val_batches, self.first.template, run.precision,
+                           self.config.train.channels_last)
+        except Exception as err:
+            raise located(err, engine, now.where, self.checkpointer.last)
+        return train, val, step, seconds
+
+    def _after_step(self, now: _Epoch, step: int, loss: torch.Tensor) -> None:
+        """After each optimizer step, on every rank: the loggers, the hooks, the callbacks, then the stop
+        policy's checkpoint and stop."""
+        now.where = f"epoch {now.number}, step {step + 1}"
+        self.engine.at(f"epoch {now.number}, training after step {step}")  # dist: for a stall report
+        self.loggers.log_step(step, loss, self.learning_rate)  # type: ignore[union-attr]
+        done = step - now.first_step
+        position = self.shard.steps.position(now.start, done)
+        self.hooks.after_step(step, done, position)
+        if self.callbacks.on_steps:
+            self.callbacks.call("on_step_end", now.number, step, {"train_loss": float(loss)})
+        write, signal = self.stops.after_step(step, last_of_epoch=done == now.steps)
+        if write:
+            self.checkpointer.save_inside(now.number, step, self.learning_rate.lr_batch, position, now.sums,
+                                          self.shard.sampler)
+            if self.callbacks:
+                self.callbacks.call("on_checkpoint", now.number, step, None, self.checkpointer.last)
+        stop = self.stops.stop_at_step(signal, now.number, step)
+        if stop is not None:
+            self.loggers.end_epoch()  # type: ignore[union-attr]
+            raise stop()
+
+    def _record(self, now: _Epoch, train: EpochResult, val: EvalResult, step: int, seconds: float) -> dict[str, float]:
+        """The epoch's record, into the loggers; returns its validation metrics."""
+        totals = self.totals
+        totals.train_seconds += seconds
+        totals.train_samples += train.samples
+        metrics = {f"val_{name}": val.metrics[name] for name in sorted(val.metrics, key=lambda n: n != "loss")}
+        totals.record = {
+            "epoch": now.number, "epochs": self.config.train.epochs, "step": step, "world_size": self.engine.size,
+            "train_loss": train.loss, **metrics,
+            "val_samples": val.samples, "train_samples": train.samples, "skipped_steps": train.skipped_steps,
+            "train_samples_per_s": train.samples / seconds, "lr": self.learning_rate(step),
+            "elapsed_s": time.perf_counter() - totals.started,
+        }
+        self.loggers.log_epoch(totals.record)  # type: ignore[union-attr]
+        return metrics
+
+    def _save_epoch(self, epoch: int, step: int, metrics: dict[str, float]) -> None:
+        self.checkpointer.save_epoch(epoch, step, self.learning_rate.lr_batch, metrics)  # dist: every rank
+        self.stops.saved()  # the minutes until a timed checkpoint count from this one
+        if self.callbacks:
+            self.callbacks.call("on_checkpoint", epoch, step, None, self.checkpointer.last)
+
+    # --- the end
+
+    def finish(self, stopped: StoppedEarly | None = None) -> dict[str, Any]:
+        """The run's summary, the same on every rank (collective); rank 0 writes summary.json and says how
+        it ended. `stopped`: every rank stopped before the last epoch (a callback, early stopping), with
+        why and where."""
+        summary = summarize(self.config, self.engine, self.run.task.name, self.best, self.totals, stopped)
+        loggers = self.loggers
+        if self.engine.is_root and loggers is not None:  # dist: rank 0 reads and writes the run's files
+            key = self.best[0]
+            best = loggers.best_record(*self.best) or {}  # over every epoch recorded, a resumed run's too
+            summary.update(best_value=best.get(key), best_epoch=best.get("epoch"))
+            loggers.write_summary(summary)
+            loggers.close()
+            say_how_it_ended(summary, self.totals.record or {}, best, stopped, self.run_dir)  # type: ignore[arg-type]
+        return self.engine.broadcast_object(summary, "summary")  # dist: rank 0's, best_* included, on every rank
