@@ -1,4 +1,5 @@
-"""hvdtrain from Python: `hvdtrain.fit` is the `hvdtrain fit` command's twin, taking objects too.
+"""hvdtrain from Python: `hvdtrain.fit` trains as `hvdtrain fit` does (the command is a layer over
+`fit_from` here), taking objects too.
 
     import hvdtrain
     summary = hvdtrain.fit(model=Net(), data=(train_set, val_set), task="classification",
@@ -40,11 +41,12 @@ GIVEN = "hvdtrain.api:given."
 def fit(model: ModelLike | None = None, data: DataLike | None = None, task: Any = None, *,
         callbacks: Sequence[Any] = (), config: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
         engine: str | None = None, **settings: Any) -> dict[str, Any]:
-    """Trains on every rank as `hvdtrain fit` does and returns the summary (also in summary.json).
+    """Trains on every rank as `hvdtrain fit` does and returns the summary (also in summary.json), the
+    same on every rank (rank 0's); a script that writes files of its own should write them on rank 0 only.
 
     model: a built-in name ('mlp', 'cnn'), a `package.module:function`, an `nn.Module`, or a function
-        that builds one (given what it accepts of input_shape, num_classes, num_outputs; called after
-        seeding with train.seed, as a factory is).
+        that builds one (given those of input_shape, num_classes, num_outputs it declares, num_classes
+        if it takes **kwargs, and model.args; called after seeding with train.seed, as a factory is).
     data: a built-in name or a path, a `package.module:function`, a map-style Dataset (split into
         train and validation by data.val_fraction), a (train, val) pair of them, or a function of no
         arguments returning either.
@@ -56,23 +58,29 @@ def fit(model: ModelLike | None = None, data: DataLike | None = None, task: Any 
     engine: 'auto' (default), 'horovod', 'torch' or 'local', as `--engine`.
     settings: fit's flags by name (epochs=3, batch_size=64, lr=0.1, run_dir='runs/a', resume='auto', ...).
     """
-    from hvdtrain.engine import start_engine
-    from hvdtrain.train import early_signals
-    from hvdtrain.train.fit import fit as run_fit
+    return fit_from(lambda: fit_config(model, data, task, callbacks, config, overrides, engine, settings))
 
-    early_signals.hold()  # as the command: a scheduler's signal while starting stops at the first step
+
+def fit_from(make_config: Callable[[], Config], on_failure: Callable[[Exception], None] | None = None) -> dict[str, Any]:
+    """What `hvdtrain.fit` and the command share: the config made, the engine it names started, the
+    run trained; `on_failure(err)` sees a failure before the engine shuts down (`running_engine`)."""
+    from hvdtrain.train import early_signals
+
+    early_signals.hold()  # a scheduler's signal while starting stops at the first step, not kills
     try:
-        cfg = fit_config(model, data, task, callbacks, config, overrides, engine, settings)
-        started = start_engine(kind=cfg.train.engine, device=cfg.train.device, threads=cfg.train.threads,
-                               stall_timeout=cfg.train.stall_timeout, keep_freed_memory=cfg.train.keep_freed_memory,
-                               timeline=cfg.run.horovod_timeline)
-        finished = False
-        try:
-            summary = run_fit(cfg, started)
-            finished = True
-            return summary
-        finally:
-            started.shutdown(finished)
+        cfg = make_config()
+
+        from hvdtrain.engine import running_engine  # torch and horovod load only when training
+        from hvdtrain.io.progress import say
+        from hvdtrain.train.fit import fit as run_fit
+
+        with running_engine(on_failure, kind=cfg.train.engine, device=cfg.train.device, threads=cfg.train.threads,
+                            stall_timeout=cfg.train.stall_timeout, keep_freed_memory=cfg.train.keep_freed_memory,
+                            timeline=cfg.run.horovod_timeline) as started:
+            if started.is_root:  # dist: one line, from rank 0
+                for warning in cfg.warnings():
+                    say(f"hvdtrain: warning: {warning}")
+            return run_fit(cfg, started)
     finally:
         early_signals.restore()
 
@@ -150,21 +158,15 @@ def _on_saved_run(run_dir: str | Path, checkpoint: str, data: Any, model: Any, t
                   overrides: Mapping[str, Any] | None, device: str, work: Callable[[Any, Any], Any]) -> Any:
     """Opens the run on a started engine (every rank), runs `work(saved, engine)`, shuts down."""
     from hvdtrain.after.saved_run import open_run
-    from hvdtrain.engine import start_engine
+    from hvdtrain.engine import running_engine
 
     settings = dict(overrides or {})
     for key, value in (("data.name", _data(data)), ("model.name", _model(model)), ("task.name", _task(task)),
                        ("data.batch_size", batch_size)):
         if value is not None:
             settings[key] = value
-    engine = start_engine(device=device)
-    finished = False
-    try:
-        result = work(open_run(engine, run_dir, checkpoint, saved_run_overrides(settings, device)), engine)
-        finished = True
-        return result
-    finally:
-        engine.shutdown(finished)
+    with running_engine(device=device) as engine:
+        return work(open_run(engine, run_dir, checkpoint, saved_run_overrides(settings, device)), engine)
 
 
 def _model(model: Any) -> str | None:

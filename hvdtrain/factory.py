@@ -1,13 +1,15 @@
-"""`package.module:function` factories for users' own data sets and models.
+"""`package.module:function` factories for users' own data sets, models, tasks and optimizers: each
+is given the names it declares, and its own arguments from the config (`model.args`, ...).
 
 A factory runs the user's code by design: only point hvdtrain at code you trust.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from hvdtrain.errors import UserError
 
@@ -43,22 +45,61 @@ def resolve_factory(path: str, what: str, require_callable: bool = True) -> Call
     return target
 
 
-def call_factory(path: str, what: str, offered: dict[str, Any], unknown: dict[str, str] | None = None) -> Any:
-    """Imports and calls a factory with those of the offered keyword arguments it accepts.
+def call_factory(path: str, what: str, offered: dict[str, Any], unknown: dict[str, str] | None = None, *,
+                 args: Mapping[str, Any] | None = None, args_key: str = "", convention: Sequence[str] | None = None
+                 ) -> Any:
+    """Imports and calls a factory with the offered keyword arguments it declares, and its own `args`
+    (the config's `args_key`, e.g. model.args), which win over offered ones of the same name.
 
-    An offered value of None is not passed (the factory's default applies); when the
-    factory requires it, the error says why it is unknown: `unknown[name]`.
+    A factory taking `**kwargs` gets of the offered ones only those in `convention` (all when None):
+    what such factories expect by convention (num_classes for a model), not every name hvdtrain knows.
+    An offered value of None is not passed (the factory's default applies); when the factory
+    requires it, the error says why it is unknown: `unknown[name]`.
     """
     factory = resolve_factory(path, what)
     parameters = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    named = _named(parameters)
+    args = dict(args or {})
+    _check_names(path, what, parameters, args, args_key)
     for name, why in (unknown or {}).items():
         parameter = parameters.get(name)
-        if offered.get(name) is None and parameter is not None and parameter.default is inspect.Parameter.empty:
+        if (offered.get(name) is None and name not in args and parameter is not None
+                and parameter.default is inspect.Parameter.empty):
             raise UserError(f"{what} factory '{path}' takes {name}, but {why}")
-    kwargs = {k: v for k, v in offered.items() if v is not None and (takes_any or k in parameters)}
+    passed = named if not takes_any else [*named, *(offered if convention is None else convention)]
+    kwargs = {k: v for k, v in offered.items() if v is not None and k in passed}
+    kwargs.update(args)
+    missing = [name for name in named if parameters[name].default is inspect.Parameter.empty and name not in kwargs]
+    if missing and args_key:
+        raise UserError(f"{what} factory '{path}' needs {', '.join(missing)}: give "
+                        f"{'it' if len(missing) == 1 else 'them'} in {args_key} (--set {args_key}.{missing[0]}=...)")
     try:
         return factory(**kwargs)
     except Exception as err:
         raise UserError(f"{what} factory '{path}' raised {type(err).__name__}: {err} "
                         "(--debug shows the traceback)") from err
+
+
+def with_args(path: str, what: str, target: Callable[..., Any], args: Mapping[str, Any], args_key: str
+              ) -> Callable[..., Any]:
+    """`target` (a function or class) with its own arguments from the config bound by name."""
+    _check_names(path, what, inspect.signature(target).parameters, args, args_key)
+    return functools.partial(target, **args)
+
+
+def _named(parameters: Mapping[str, inspect.Parameter]) -> list[str]:
+    """The parameters that can be given by name."""
+    return [name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _check_names(path: str, what: str, parameters: Mapping[str, inspect.Parameter], args: Mapping[str, Any],
+                 args_key: str) -> None:
+    """One line for an argument a factory that declares its names (no **kwargs) does not take."""
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    named = _named(parameters)
+    for name in args:
+        if name not in named:
+            raise UserError(f"{what} factory '{path}' takes no argument '{name}' (from {args_key}.{name}): it takes "
+                            f"{', '.join(named) or 'no arguments'}")

@@ -11,21 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import LAUNCHERS, requires_launchers, run
+from conftest import LAUNCHERS, assert_ok, epoch_records, requires_launchers, run, run_summary
 from hvdtrain.cli import main
 
 LOCAL = ["--progress", "off", "--engine", "local", "--threads", "1"]
 HVD2 = LAUNCHERS["horovodrun-mpi"][:1] + ["-np", "2"]  # plain horovodrun, as users type it
 MPIRUN = LAUNCHERS["mpirun"]
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _ok(result) -> str:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +35,7 @@ def test_tensorboard_events_read_back_with_tensorboard_s_own_reader(trained):
 
     events = EventAccumulator(str(trained))
     events.Reload()
-    records = _records(trained)
+    records = epoch_records(trained)
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "val/loss", "val/acc", "val/top5_acc", "lr", "train/samples_per_s",
             "steps/train_loss", "steps/lr", "steps/samples_per_s"} <= tags
@@ -84,10 +75,10 @@ def test_the_timeline_needs_horovod(tmp_path, capsys):
 def test_evaluate_gives_fit_s_validation_metrics_under_a_launcher(trained, launcher, tmp_path):
     out = tmp_path / "eval.json"
     prefix = HVD2 if launcher == "horovodrun" else MPIRUN
-    _ok(run([*prefix, "hvdtrain", "evaluate", str(trained), "--output", str(out)], cwd=tmp_path))
+    assert_ok(run([*prefix, "hvdtrain", "evaluate", str(trained), "--output", str(out)], cwd=tmp_path))
     result = json.loads(out.read_text())
-    best = json.loads((trained / "summary.json").read_text())["best_epoch"]
-    record = next(r for r in _records(trained) if r["epoch"] == best)
+    best = run_summary(trained)["best_epoch"]
+    record = next(r for r in epoch_records(trained) if r["epoch"] == best)
     assert result["world_size"] == 2 and result["samples"] == record["val_samples"] == 359
     assert result["acc"] == record["val_acc"] and result["loss"] == pytest.approx(record["val_loss"], rel=1e-9)
 
@@ -98,7 +89,7 @@ def test_predict_writes_the_same_file_for_one_and_two_processes(trained, tmp_pat
     def predict(prefix: list[str], path: Path) -> str:
         args = ["predict", str(trained), "--data", "digits", "--output", str(path), "--batch-size", "50"]
         if prefix:
-            _ok(run([*prefix, "hvdtrain", *args], cwd=tmp_path))
+            assert_ok(run([*prefix, "hvdtrain", *args], cwd=tmp_path))
         else:
             main(args)  # one process, no launcher
         return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -121,8 +112,8 @@ def test_predict_writes_the_same_file_for_one_and_two_processes(trained, tmp_pat
 @pytest.mark.multiprocess
 @requires_launchers
 def test_export_under_horovodrun_loads_back_and_matches(trained, tmp_path):
-    out = _ok(run([*HVD2, "hvdtrain", "export", str(trained), "--format", "pt2", "--output",
-                   str(tmp_path / "m.pt2")], cwd=tmp_path))
+    out = assert_ok(run([*HVD2, "hvdtrain", "export", str(trained), "--format", "pt2", "--output",
+                         str(tmp_path / "m.pt2")], cwd=tmp_path)).stdout
     assert "differ from the checkpoint's model by at most" in out
     program = torch.export.load(str(tmp_path / "m.pt2")).module()
     from hvdtrain.engine import LocalEngine
@@ -176,7 +167,7 @@ PREDICTION_SHAPES = {"regression": (300, 2), "multilabel": (300, 4), "language-m
 def test_evaluate_predict_and_export_work_for_every_task(task, tmp_path, capsys):
     run_dir = tmp_path / "run"
     main(["fit", *LOCAL, "--epochs", "2", "--run-dir", str(run_dir), *TASKS[task]])
-    last = _records(run_dir)[-1]
+    last = epoch_records(run_dir)[-1]
     main(["evaluate", str(run_dir), "--checkpoint", "last", "--output", str(tmp_path / "e.json")])
     result = json.loads((tmp_path / "e.json").read_text())
     for key, value in last.items():
@@ -197,18 +188,18 @@ def test_evaluate_predict_and_export_work_for_every_task(task, tmp_path, capsys)
 def test_plot_overlays_runs_and_runs_lists_them(trained, finished_digits, tmp_path, capsys):
     import matplotlib.image
 
-    out = _ok(run([*HVD2, "hvdtrain", "plot", str(finished_digits), str(trained), "--output",
-                   str(tmp_path / "both.png")], cwd=tmp_path))
+    out = assert_ok(run([*HVD2, "hvdtrain", "plot", str(finished_digits), str(trained), "--output",
+                         str(tmp_path / "both.png")], cwd=tmp_path)).stdout
     assert out.count("val_acc, val_top5_acc, train_samples_per_s against epoch and wall time, 2 runs") == 1
     image = matplotlib.image.imread(tmp_path / "both.png")
     assert image.shape[0] > 800 and image.shape[1] > 1000 and image[..., :3].std() > 0.05  # drawn, not blank
-    table = _ok(run([*HVD2, "hvdtrain", "runs", str(trained.parent), "--json", str(tmp_path / "runs.json")],
-                    cwd=tmp_path)).splitlines()
+    table = assert_ok(run([*HVD2, "hvdtrain", "runs", str(trained.parent), "--json", str(tmp_path / "runs.json")],
+                          cwd=tmp_path)).stdout.splitlines()
     assert len(table) == 2  # the header and the one run, from rank 0 alone
     table = [line.split("<stdout>:", 1)[-1] for line in table]
     assert table[0].split() == ["run", "world", "size", "epochs", "best", "samples/s", "status"]
     listed = json.loads((tmp_path / "runs.json").read_text())
-    summary = json.loads((trained / "summary.json").read_text())
+    summary = run_summary(trained)
     assert listed == [{"run": str(trained), "world_size": 2, "epochs_done": 3, "epochs": 3, "best_metric": "val_acc",
                        "best_value": summary["best_value"], "best_epoch": summary["best_epoch"],
                        "train_samples_per_s": summary["train_samples_per_s"], "status": "finished"}]
@@ -233,7 +224,8 @@ def test_runs_marks_an_unfinished_run(finished_digits, tmp_path, capsys):
 @requires_launchers
 def test_plan_under_horovodrun_is_what_fit_does(tmp_path):
     plan_file = tmp_path / "plan.json"
-    out = _ok(run([*HVD2, "hvdtrain", "plan", "--batch-size", "100", "--json", str(plan_file)], cwd=tmp_path))
+    out = assert_ok(run([*HVD2, "hvdtrain", "plan", "--batch-size", "100", "--json", str(plan_file)],
+                        cwd=tmp_path)).stdout
     assert "global batch 200" in out
     plan = json.loads(plan_file.read_text())
     assert [r["rank"] for r in plan["ranks"]] == [0, 1] and [r["local_rank"] for r in plan["ranks"]] == [0, 1]
@@ -340,9 +332,8 @@ def test_every_flag_of_every_command_passes_through_the_launcher_unchanged(launc
     assert {"--horovod-timeline", "--log-every", "--raw-outputs", "--no-tensorboard", "--split", "--np"} <= set(argv)
     script = tmp_path / "echo.py"
     script.write_text(ECHO)
-    result = run([*launcher, str(script), *argv], cwd=tmp_path, timeout=120)
+    result = assert_ok(run([*launcher, str(script), *argv], cwd=tmp_path, timeout=120), tail=2000)
     out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-2000:]
     echoed = json.loads(next(line for line in out.splitlines() if "ARGV" in line).split("ARGV", 1)[1])
     assert echoed == argv
 
@@ -358,10 +349,10 @@ def test_evaluate_of_a_batch_norm_model_reproduces_fit_s_record(launcher, tmp_pa
     run_dir = tmp_path / "run"
     args = ["--data", "random", "--set", "data.samples=1200", "--set", "data.features=12",
             "--model", "user_code:batch_norm_net", "--epochs", "2", "--threads", "1", "--progress", "off"]
-    _ok(run([*LAUNCHERS[launcher], "hvdtrain", "fit", *args, "--run-dir", str(run_dir)], cwd=tmp_path))
+    assert_ok(run([*LAUNCHERS[launcher], "hvdtrain", "fit", *args, "--run-dir", str(run_dir)], cwd=tmp_path))
     out = tmp_path / "eval.json"
-    _ok(run(["hvdtrain", "evaluate", str(run_dir), "--checkpoint", "last", "--output", str(out)], cwd=tmp_path))
-    result, record = json.loads(out.read_text()), _records(run_dir)[-1]
+    assert_ok(run(["hvdtrain", "evaluate", str(run_dir), "--checkpoint", "last", "--output", str(out)], cwd=tmp_path))
+    result, record = json.loads(out.read_text()), epoch_records(run_dir)[-1]
     assert result["loss"] == pytest.approx(record["val_loss"], rel=1e-5)
     assert result["acc"] == pytest.approx(record["val_acc"], abs=1e-9)
 

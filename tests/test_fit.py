@@ -1,6 +1,5 @@
 """`hvdtrain fit` in one process (the local engine): files, resume, accumulation."""
 
-import json
 import os
 import platform
 import re
@@ -11,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, assert_same_weights, final_weights
+from conftest import ROOT, assert_ok, assert_same_weights, epoch_records, final_weights, run_summary
 from hvdtrain.cli import main
 
 RANDOM = ["--data", "random", "--set", "data.samples=512", "--set", "data.features=16",
@@ -29,9 +28,9 @@ def test_run_directory_holds_what_the_readme_says(tmp_path, capsys):
     assert "epoch 3/3" in out and f"results in {run_dir}/summary.json" in out
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["data"]["name"] == "random" and config["train"]["epochs"] == 3
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = epoch_records(run_dir)
     assert [r["epoch"] for r in records] == [1, 2, 3]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = run_summary(run_dir)
     for key in ("world_size", "epochs", "steps", "val_acc", "val_loss", "train_samples_per_s", "wall_s"):
         assert summary[key] is not None, key
     assert summary["world_size"] == 1 and summary["steps"] == 3 * (410 // 64)
@@ -48,7 +47,7 @@ def test_resume_ends_with_the_same_weights(tmp_path):
     fit("--epochs", "2", "--run-dir", str(halves))
     fit("--epochs", "4", "--run-dir", str(halves), "--resume")
     assert_same_weights(final_weights(whole), final_weights(halves), atol=0.0)
-    epochs = [json.loads(line)["epoch"] for line in (halves / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r["epoch"] for r in epoch_records(halves)]
     assert epochs == [1, 2, 3, 4]
 
 
@@ -61,7 +60,7 @@ def test_accumulation_equals_a_larger_batch(tmp_path):
 def test_adamw_clipping_and_cosine_train(tmp_path):
     fit("--epochs", "2", "--optimizer", "adamw", "--lr", "0.01", "--clip-grad-norm", "0.5",
         "--set", "optim.schedule=cosine", "--run-dir", str(tmp_path / "r"))
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    summary = run_summary(tmp_path / "r")
     assert summary["val_acc"] > 0.5
 
 
@@ -77,12 +76,12 @@ def test_same_seed_same_run(tmp_path):
 def test_user_factories_train(tmp_path):
     main(["fit", "--data", "user_code:blobs", "--model", "user_code:tiny_net", "--epochs", "3",
           "--batch-size", "16", "--progress", "off", "--engine", "local", "--run-dir", str(tmp_path / "r")])
-    assert json.loads((tmp_path / "r" / "summary.json").read_text())["val_acc"] > 0.8
+    assert run_summary(tmp_path / "r")["val_acc"] > 0.8
 
 
 def test_python_dash_m_and_config_command():
     done = subprocess.run([sys.executable, "-m", "hvdtrain", "config"], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0 and "batch_size: 64" in done.stdout
+    assert "batch_size: 64" in assert_ok(done).stdout
     assert yaml.safe_load(done.stdout)["data"]["name"] == "digits"
 
 
@@ -109,9 +108,9 @@ def test_training_steps_reuse_freed_host_memory_instead_of_faulting_it_back(tmp_
              "--data", "benchmarks.jobs:synthetic", "--model", "benchmarks.jobs:small_cnn", "--progress", "off",
              "--run-dir", str(run_dir)],
             capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
+        assert_ok(done)
         faults[epochs] = int(done.stdout.split()[-1])
-        steps[epochs] = json.loads((run_dir / "summary.json").read_text())["steps"]
+        steps[epochs] = run_summary(run_dir)["steps"]
     per_step = (faults[3] - faults[1]) / (steps[3] - steps[1])
     print(f"minor page faults: {faults} for steps {steps}: {per_step:.1f} per further step")
     assert per_step < 256, (faults, steps)  # under 1 MB of 4 KB pages a step

@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 import click
 
-from hvdtrain.cli.common import is_rank_0, with_engine, write_json
+from hvdtrain.cli.common import command_engine, is_rank_0, write_json
 from hvdtrain.config import default_part, parse_assignment, saved_run_overrides
 from hvdtrain.errors import UserError
 
@@ -58,7 +58,7 @@ def evaluate(run_dir: str, checkpoint: str, data: str | None, part: str | None, 
     overrides = _run_overrides(data, batch_size, device, assignments)
     part = _default_part(part, data)
 
-    def work(engine: Any) -> None:
+    with command_engine(debug, device=device) as engine:
         saved = open_run(engine, run_dir, checkpoint, overrides)
         result = evaluate_run(saved, engine, part)
         if engine.is_root:  # dist: rank 0 reports and writes
@@ -67,8 +67,6 @@ def evaluate(run_dir: str, checkpoint: str, data: str | None, part: str | None, 
             metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float))
             click.echo(f"hvdtrain: evaluated {saved.checkpoint} (epoch {saved.epoch}) on {result['samples']} samples "
                        f"of {result['data']} ({part}), world size {engine.size}: {metrics}; written to {path}")
-
-    with_engine(debug, work, device=device)
 
 
 @click.command()
@@ -86,15 +84,13 @@ def predict(run_dir: str, checkpoint: str, data: str | None, part: str | None, b
     overrides = _run_overrides(data, batch_size, device, assignments)
     part = _default_part(part, data)
 
-    def work(engine: Any) -> None:
+    with command_engine(debug, device=device) as engine:
         saved = open_run(engine, run_dir, checkpoint, overrides)
         found = predict_run(saved, engine, part, raw_outputs)
         if found is not None:  # dist: rank 0 writes
             samples, shape = write_predictions(path, found)
             click.echo(f"hvdtrain: {samples} predictions ({shape}) of {saved.checkpoint} (epoch {saved.epoch}) "
                        f"on {saved.config.data.name} ({part}), world size {engine.size}, written to {path}")
-
-    with_engine(debug, work, device=device)
 
 
 @click.command("export")
@@ -112,7 +108,7 @@ def export_model(run_dir: str, checkpoint: str, data: str | None, part: str | No
     overrides = _run_overrides(data, batch_size, device, assignments)
     part = _default_part(part, data)
 
-    def work(engine: Any) -> None:
+    with command_engine(debug, device=device) as engine:
         saved = open_run(engine, run_dir, checkpoint, overrides)
         with engine.agree("export"):  # dist: rank 0 writes; a failure there stops every rank
             if engine.is_root:
@@ -123,8 +119,6 @@ def export_model(run_dir: str, checkpoint: str, data: str | None, part: str | No
                 click.echo(f"hvdtrain: exported {saved.checkpoint} (epoch {saved.epoch}) as {fmt} to {done.path}; "
                            f"loaded back, its outputs on {done.samples} samples of {saved.config.data.name} ({part}) "
                            f"differ from the checkpoint's model by at most {done.max_abs_diff:.3g}")
-
-    with_engine(debug, work, device=device)
 
 
 @click.command()

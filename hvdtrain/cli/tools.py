@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import click
 
-from hvdtrain.cli.common import is_rank_0, with_engine, write_json
+from hvdtrain.cli.common import command_engine, is_rank_0, write_json
 from hvdtrain.cli.fit import fit_config, fit_options
 from hvdtrain.config import describe
 from hvdtrain.errors import UserError
@@ -32,7 +32,7 @@ def bench_allreduce(min_bytes: int, max_bytes: int, iterations: int, plot: str |
     if not 4 <= min_bytes <= max_bytes:
         raise UserError(f"--min-bytes must be at least 4 and at most --max-bytes, got {min_bytes} and {max_bytes}")
 
-    def work(engine: Any) -> None:
+    with command_engine(False) as engine:
         rows = allreduce.run(engine, min_bytes, max_bytes, iterations)
         if engine.is_root:  # dist: rank 0 reports
             click.echo(allreduce.table(rows, engine))
@@ -42,8 +42,6 @@ def bench_allreduce(min_bytes: int, max_bytes: int, iterations: int, plot: str |
                                                          "busbw": [r["busbw_GBps"] for r in rows]},
                      xlabel="message size (bytes)", ylabel="GB/s", logx=True,
                      title=f"allreduce, {engine.size} processes, {engine.controller}")
-
-    with_engine(False, work)
 
 
 @bench.command("train")
@@ -81,7 +79,7 @@ def bench_train(model: str, hidden: int, input_shape: str, classes: int, batch_s
             raise UserError(f"{name} must be at least {2 if name == '--classes' else 1}")
     net = build_model(ModelConfig(name=model, hidden=hidden), shape, classes)
 
-    def work(engine: Any) -> None:
+    with command_engine(False, device=device, threads=threads) as engine:
         result = train.run(engine, net, shape, classes, batch_size=batch_size, warmup=warmup, steps=steps,
                            repeats=repeats, scaling=scaling, compression=compression, precision=precision,
                            channels_last=channels_last)
@@ -94,8 +92,6 @@ def bench_train(model: str, hidden: int, input_shape: str, classes: int, batch_s
                     bars["ideal (N x one process)"] = [engine.size * result["single_process_samples_per_s"]]
                 draw(plot, [engine.size], bars, xlabel="processes", ylabel="samples/s",
                      title=f"training throughput, batch {batch_size} per process")
-
-    with_engine(False, work, device=device, threads=threads)
 
 
 @bench.command("sampler")
@@ -137,13 +133,12 @@ def bench_data(config_path: str | None, assignments: Sequence[str], debug: bool,
         raise UserError("--workers must be 0 or more, --batches and --steps at least 1")
     config = fit_config(config_path, assignments, flags)
 
-    def work(engine: Any) -> None:
+    with command_engine(debug, kind=config.train.engine, device=config.train.device,
+                        threads=config.train.threads) as engine:
         result = data.run(config, engine, workers, count, steps)
         if engine.is_root:  # dist: rank 0 reports its own shard's figures
             click.echo(data.table(result))
             write_json(json_path, result)
-
-    with_engine(debug, work, kind=config.train.engine, device=config.train.device, threads=config.train.threads)
 
 
 @click.command()
@@ -164,14 +159,10 @@ def doctor(planned: int, device: str, engine_kind: str, json_path: str | None) -
     if launcher_rank() is None:
         reports = [checks.report(0, 0, planned, planned, launched=False)]
     else:  # dist: every rank reports through the engine its launcher starts; rank 0 prints them in order
-
-        def work(engine: Any) -> None:
+        with command_engine(False, kind=engine_kind, device="cpu", keep_freed_memory=False) as engine:
             mine = checks.report(engine.rank, engine.local_rank, engine.size, engine.local_size, launched=True,
                                  engine=engine.name)
-            reports.extend(engine.allgather_object(mine, "doctor"))
-
-        reports: list[dict[str, Any]] = []
-        with_engine(False, work, kind=engine_kind, device="cpu", keep_freed_memory=False)
+            reports = engine.allgather_object(mine, "doctor")
         if not is_rank_0():
             return
     found = [checks.problems(r, device, engine_kind) for r in reports]

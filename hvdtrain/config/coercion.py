@@ -34,15 +34,52 @@ def reject_unknown(values: dict[str, Any], known: Any, prefix: str) -> None:
 
 def build_section(section_type: type, values: dict[str, Any], section: str) -> Any:
     hints = typing.get_type_hints(section_type)
+    values = _nest_dotted(values, {key for key, hint in hints.items() if typing.get_origin(hint) is dict})
     reject_unknown(values, hints, f"{section}.")
     kwargs = {key: _coerce(value, hints[key], f"{section}.{key}") for key, value in values.items()}
     return section_type(**kwargs)
+
+
+def _nest_dotted(values: dict[str, Any], mappings: set[str]) -> dict[str, Any]:
+    """`args.depth: 50` (from `--set model.args.depth=50`) set inside the mapping field `args`, keeping
+    the other keys it has; a dotted key under any other field stays as it is, to be named unknown."""
+    nested = {key: value for key, value in values.items() if key.partition(".")[0] not in mappings or "." not in key}
+    for key, value in values.items():
+        field, _, path = key.partition(".")
+        if path and field in mappings:
+            nested[field] = _set_in(nested.get(field), path.split("."), value)
+    return nested
+
+
+def _set_in(mapping: Any, path: list[str], value: Any) -> dict[str, Any]:
+    """A copy of `mapping` (a new one where it is none) with `value` at `path`."""
+    copy = dict(mapping) if isinstance(mapping, dict) else {}
+    copy[path[0]] = _set_in(copy.get(path[0]), path[1:], value) if len(path) > 1 else value
+    return copy
+
+
+def _plain(value: Any, key: str) -> Any:
+    """A factory's argument as YAML keeps it in the run's config.yaml (a tuple becomes a list)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(item, f"{key}[{index}]") for index, item in enumerate(value)]
+    if isinstance(value, dict) and all(isinstance(name, str) for name in value):
+        return {name: _plain(item, f"{key}.{name}") for name, item in value.items()}
+    raise UserError(f"config key '{key}' must be plain data (a number, text, true/false, null, a list or a mapping "
+                    f"with text keys), which the run's config.yaml keeps; got {type(value).__name__}")
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
     """Checks one value against its field type; numbers and booleans given as text are converted."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is dict:  # a factory's own arguments, by name
+        if value is None:  # `args:` left empty in YAML
+            return {}
+        if not isinstance(value, dict):
+            raise UserError(f"config key '{key}' must be a mapping of argument names to values, got {value!r}")
+        return _plain(value, key)
     if origin is typing.Union and type(None) in args:  # Optional[X]
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
@@ -76,3 +113,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
             return str(value)
         raise UserError(f"config key '{key}' must be text, got {value!r}")
     raise TypeError(f"unsupported config type {annotation!r} for {key}")
+
+
+def require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise UserError(f"config key '{key}' {message}")

@@ -14,25 +14,6 @@ from hvdtrain.config.schema import Config, section_types_of_config
 from hvdtrain.errors import UserError
 
 
-# fit's settings, named as its flags (--batch-size: batch_size) and as hvdtrain.fit's keyword arguments,
-# and the config key each sets. Settings left out keep the YAML (or default) value.
-FIT_SETTINGS = {
-    "data": "data.name", "batch_size": "data.batch_size", "model": "model.name", "task": "task.name",
-    "optimizer": "optim.name", "lr": "optim.lr", "scale_lr": "optim.scale_lr",
-    "warmup_epochs": "optim.warmup_epochs", "schedule": "optim.schedule", "clip_grad_norm": "optim.clip_grad_norm",
-    "epochs": "train.epochs", "seed": "train.seed", "accumulate": "train.accumulate",
-    "compression": "train.compression", "adasum": "train.adasum", "device": "train.device",
-    "threads": "train.threads", "precision": "train.precision", "channels_last": "train.channels_last",
-    "compile": "train.compile", "nonfinite": "train.nonfinite", "num_workers": "data.num_workers", "run_dir": "run.dir", "resume": "run.resume",
-    "checkpoint_every_steps": "run.checkpoint_every_steps", "checkpoint_every_minutes": "run.checkpoint_every_minutes",
-    "stop_signals": "run.stop_signals",
-    "overwrite": "run.overwrite", "progress": "run.progress", "elastic": "train.elastic",
-    "log_every": "run.log_every", "tensorboard": "run.tensorboard", "horovod_timeline": "run.horovod_timeline",
-    "callback": "train.callbacks", "early_stopping_patience": "train.early_stopping_patience",
-    "sync_batchnorm": "train.sync_batchnorm", "mlflow": "run.mlflow",
-}
-
-
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
     """Reads a YAML file (safe loader) and applies overrides on top."""
     raw: dict[str, Any] = {}
@@ -49,25 +30,6 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         if not isinstance(raw, dict):
             raise UserError(f"config file '{path}' must hold a mapping of sections (data, model, ...), not {type(raw).__name__}")
     return Config.from_dict(raw, overrides)
-
-
-def settings_config(path: str | Path | None, overrides: dict[str, Any], settings: dict[str, Any],
-                    engine: str | None = None) -> Config:
-    """The config of `fit`: YAML, then `section.key` overrides, then settings (FIT_SETTINGS' names;
-    None: not given), then the engine."""
-    unknown = sorted(set(settings) - set(FIT_SETTINGS))
-    if unknown:
-        raise UserError(f"unknown setting {', '.join(repr(name) for name in unknown)}: use fit's flags as names "
-                        f"(batch_size for --batch-size), or a config key in overrides (section.key)")
-    overrides = dict(overrides)
-    if settings.get("resume") == "always":  # plain --resume
-        settings = {**settings, "resume": True}
-    if isinstance(settings.get("callback"), (list, tuple)):  # --callback is repeatable
-        settings = {**settings, "callback": ",".join(settings["callback"]) or None}
-    overrides.update({FIT_SETTINGS[name]: value for name, value in settings.items() if value is not None})
-    if engine is not None:
-        overrides["train.engine"] = engine
-    return load_config(path, overrides)
 
 
 def saved_run_overrides(overrides: dict[str, Any], device: str) -> dict[str, Any]:

@@ -7,8 +7,9 @@ launchers' variables, `watchdog` names stalled ranks. Imports only `errors` of h
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -16,9 +17,10 @@ from hvdtrain.engine import host_memory
 from hvdtrain.engine.base import Engine, GradientSync, RankFailed
 from hvdtrain.engine.environment import available_cores, environment_rank, plain_srun_rank, torchrun_launched
 from hvdtrain.engine.local import LocalEngine
-from hvdtrain.errors import UserError
+from hvdtrain.errors import StoppedBySignal, UserError
 
-__all__ = ["Engine", "GradientSync", "LocalEngine", "RankFailed", "available_cores", "launcher_rank", "start_engine"]
+__all__ = ["Engine", "GradientSync", "LocalEngine", "RankFailed", "available_cores", "launcher_rank", "running_engine",
+           "start_engine"]
 
 _started: Engine | None = None  # the Horovod engine, once started
 
@@ -64,6 +66,28 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
     engine_device = _pick_device(device, local_rank=0, local_size=1)
     torch.set_num_threads(_threads_per_process(threads, local_size=1))
     return LocalEngine(engine_device)
+
+
+@contextlib.contextmanager
+def running_engine(on_failure: Callable[[Exception], None] | None = None, **engine_args: Any) -> Iterator[Engine]:
+    """The engine started (`start_engine`'s arguments) for the work inside, and shut down after it.
+
+    `on_failure(err)` sees a failure before the engine shuts down (it may exit): launchers stop
+    the other ranks as soon as one exits, and rank 0 must have said why by then.
+    """
+    engine = start_engine(**engine_args)
+    finished = False
+    try:
+        yield engine
+        finished = True
+    except Exception as err:
+        # Stopped by a signal, every rank at the same step: as orderly an end as a finished run.
+        finished = isinstance(err, StoppedBySignal)
+        if on_failure is not None:
+            on_failure(err)
+        raise
+    finally:
+        engine.shutdown(finished)
 
 
 def _start(engine_type: Any, device: str, threads: int, stall_timeout: int) -> Engine:

@@ -1,0 +1,136 @@
+"""A factory gets the names it declares, a `**kwargs` factory what its convention passes, and every
+factory its own arguments from the config (`model.args`, `data.args`, `task.args`, `optim.args`),
+kept in the run's config so that the commands after fit build the same objects; a warm-up as long as
+the run is one warning line from rank 0."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+import hvdtrain
+from conftest import HOROVOD_AND_TORCH, assert_ok, epoch_records, fit_under, requires_launchers, run
+from factory_signatures import ResNetLike, TinyConv
+from hvdtrain import UserError
+from hvdtrain.cli import main
+from hvdtrain.config import Config, ModelConfig, TaskConfig, describe
+from hvdtrain.models import build_model
+from hvdtrain.tasks import build_task
+
+DIGITS = (1, 8, 8)
+TORCHVISION = ["--model", "factory_signatures:resnet50"]
+TIMM = ["--model", "factory_signatures:create_model", "--set", "model.args.model_name=tiny_conv",
+        "--set", "model.args.in_chans=1"]
+WARMUP = "hvdtrain: warning: optim.warmup_epochs (3) is longer than train.epochs (2)"
+
+
+def test_a_torchvision_model_function_gets_num_classes_alone():
+    made = build_model(ModelConfig(name="factory_signatures:resnet50"), DIGITS, 10, 10)
+    assert isinstance(made, ResNetLike) and made.fc.out_features == 10
+
+
+def test_timm_s_create_model_gets_its_name_and_the_class_s_arguments_from_model_args():
+    cfg = Config.from_dict({}, {"model.name": "factory_signatures:create_model", "model.args.model_name": "tiny_conv",
+                                "model.args.in_chans": 1, "model.args.width": 4}).model
+    made = build_model(cfg, DIGITS, 10)
+    assert isinstance(made, TinyConv) and made(torch.zeros(2, *DIGITS)).shape == (2, 10)
+    assert made.body[0].in_channels == 1 and made.body[0].out_channels == 4
+
+
+def test_model_args_win_over_hvdtrain_s_names():
+    made = build_model(ModelConfig(name="factory_signatures:resnet50", args={"num_classes": 3}), DIGITS, 10)
+    assert made.fc.out_features == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"depth": 2, "width": 8}, "model factory 'factory_signatures:net' takes no argument 'width' (from "
+                               "model.args.width): it takes input_shape, num_classes, depth"),
+    ({}, "model factory 'factory_signatures:net' needs depth: give it in model.args (--set model.args.depth=...)"),
+])
+def test_a_factory_declaring_its_names_refuses_others_in_one_line(args, message):
+    with pytest.raises(UserError) as raised:
+        build_model(ModelConfig(name="factory_signatures:net", args=args), (5,), 3)
+    assert str(raised.value) == message
+
+
+def test_args_are_for_factories_only():
+    with pytest.raises(UserError, match=r"config key 'model.args' gives a package.module:function its own arguments; "
+                                        r"'mlp' is built in"):
+        Config.from_dict({}, {"model.args.depth": 50})
+
+
+def test_task_args_reach_a_loss_class_and_unknown_ones_are_named():
+    task = build_task(TaskConfig(name="torch.nn:CrossEntropyLoss", args={"label_smoothing": 0.25}))
+    assert task.function.label_smoothing == 0.25
+    with pytest.raises(UserError, match=r"task factory 'torch.nn:CrossEntropyLoss' takes no argument 'smoothing' "
+                                        r"\(from task.args.smoothing\): it takes weight, .*label_smoothing"):
+        build_task(TaskConfig(name="torch.nn:CrossEntropyLoss", args={"smoothing": 0.25}))
+
+
+def test_the_listing_of_every_key_shows_the_args_keys():
+    listing = yaml.safe_load(describe())
+    assert all(listing[section]["args"] == {} for section in ("data", "model", "task", "optim"))
+
+
+def test_set_data_args_reach_a_dataset_class_and_stay_in_the_run_s_config(tmp_path, capsys):
+    """The tutorial's RandomDataset(size, length), named as it is, its arguments from --set; the
+    optimizer's own from optim.args; and evaluate of the run builds the same data set again."""
+    run_dir = tmp_path / "run"
+    main(["fit", "--data", "factory_signatures:RandomDataset", "--set", "data.args.size=5",
+          "--set", "data.args.length=200", "--optimizer", "factory_signatures:adam",
+          "--set", "optim.args.betas=[0.8, 0.9]",
+          "--lr", "0.01", "--epochs", "2", "--batch-size", "16", "--engine", "local", "--progress", "off",
+          "--threads", "1", "--run-dir", str(run_dir)])
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["data"]["args"] == {"size": 5, "length": 200} and saved["optim"]["args"] == {"betas": [0.8, 0.9]}
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]["1.weight"].shape == (128, 5)
+    evaluated = hvdtrain.evaluate(run_dir)
+    assert evaluated["samples"] == 40
+
+
+def test_a_dataset_class_without_its_arguments_says_which_to_give(tmp_path):
+    with pytest.raises(UserError) as raised:
+        hvdtrain.fit(data="factory_signatures:RandomDataset", epochs=1, run_dir=str(tmp_path / "run"), progress="off",
+                     engine="local")
+    assert str(raised.value) == ("data set factory 'factory_signatures:RandomDataset' needs size, length: give them "
+                                 "in data.args (--set data.args.size=...)")
+
+
+def test_a_warm_up_as_long_as_the_run_is_one_warning_line(tmp_path, capsys):
+    hvdtrain.fit(data="factory_signatures:RandomDataset", overrides={"data.args": {"size": 5, "length": 64}},
+                 epochs=2, warmup_epochs=3, batch_size=16, run_dir=str(tmp_path / "run"), progress="off",
+                 engine="local", threads=1)
+    assert capsys.readouterr().out.count(WARMUP) == 1
+    hvdtrain.fit(data="factory_signatures:RandomDataset", overrides={"data.args": {"size": 5, "length": 64}},
+                 epochs=2, warmup_epochs=2, schedule="cosine", batch_size=16, run_dir=str(tmp_path / "other"),
+                 progress="off", engine="local", threads=1)
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_onecycle_s_warning_says_it_has_a_warm_up_of_its_own():
+    config = Config.from_dict({}, {"optim.schedule": "onecycle", "optim.warmup_epochs": 100, "train.epochs": 1})
+    assert config.warnings() == ["optim.warmup_epochs (100) is longer than train.epochs (1), and the onecycle "
+                                 "schedule does not use it: its own rise over the first 30% of the run is its warm-up"]
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+@pytest.mark.parametrize("launcher, model", list(zip(HOROVOD_AND_TORCH, (TORCHVISION, TIMM))),
+                         ids=["torchvision", "timm"])
+def test_library_signatures_train_under_a_launcher_and_the_run_builds_again(launcher, model, tmp_path):
+    """torchvision's and timm's signatures under horovodrun and torchrun; evaluate and export rebuild
+    the model from the run's config alone. The warm-up warning comes from rank 0 only."""
+    run_dir = tmp_path / "run"
+    done = assert_ok(fit_under(launcher, *model, "--epochs", "2", "--warmup-epochs", "3", "--batch-size", "32",
+                               "--threads", "1", "--run-dir", str(run_dir), cwd=tmp_path))
+    assert done.stdout.count(WARMUP) == 1, done.stdout[-3000:]
+    assert_ok(run(["hvdtrain", "evaluate", str(run_dir), "--checkpoint", "last", "--output",
+                   str(tmp_path / "evaluate.json")], cwd=tmp_path))
+    metrics, last = json.loads((tmp_path / "evaluate.json").read_text()), epoch_records(run_dir)[-1]
+    assert metrics["loss"] == pytest.approx(last["val_loss"], rel=1e-5)
+    assert metrics["acc"] == pytest.approx(last["val_acc"])
+    exported = assert_ok(run(["hvdtrain", "export", str(run_dir), "--checkpoint", "last"], cwd=tmp_path))
+    assert (run_dir / "export" / "model.safetensors").is_file(), exported.stdout
