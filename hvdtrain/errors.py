@@ -29,6 +29,12 @@ class StoppedBySignal(Exception):
     exit_code = 75
 
 
+# dist: the exit status of a rank whose collective broke off because another rank failed or left. Not
+# a failure of its own: the launcher entries (cli/launchers.py) name the rank that failed, never one
+# that exited with this (76, EX_PROTOCOL: its peer broke off the exchange).
+ANOTHER_RANK_FAILED = 76
+
+
 class FailedAt(Exception):
     """The user's code (a Dataset, the model, the task) raised on this rank mid-run: one line from
     this rank naming where, exit status 1. The original exception is its __cause__."""
@@ -39,6 +45,19 @@ class FailedAt(Exception):
         super().__init__(message)
         self.after_rank_0 = after_rank_0
         """Said only if rank 0, which may be failing the same way at the same step, has not said it first."""
+
+
+def note_where_the_job_stood(err: BaseException, position: str, resume: str = "", first: bool = False) -> None:
+    """Keeps on a collective's error (its type unchanged: elastic training catches it by type) where this
+    rank was when it broke off (`epoch 2, step 41`) and, on rank 0, `; ...` on the checkpoint to resume
+    from. `first`: only if nothing was noted yet (the engine's own note, under a more exact one)."""
+    if not (first and hasattr(err, "hvdtrain_where")):
+        err.hvdtrain_where = (position, resume)  # type: ignore[attr-defined]
+
+
+def where_the_job_stood(err: BaseException) -> tuple[str, str] | None:
+    """(position, resume) as `note_where_the_job_stood` kept them; None where nothing was noted."""
+    return getattr(err, "hvdtrain_where", None)
 
 
 def message_lines(err: BaseException, count: int = 1) -> str:

@@ -1,13 +1,12 @@
 """Cluster files: the Dockerfiles and launch scripts lint clean, and the scripts really launch."""
 
-import json
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import BIN, ROOT, launch_env, requires_launchers, run
+from conftest import BIN, ROOT, assert_ok, launch_env, requires_launchers, run_summary
 
 SCRIPTS = sorted([*ROOT.glob("launch/*.sh"), ROOT / "launch" / "slurm.sbatch", ROOT / ".ci" / "run"])
 DOCKERFILES = [ROOT / "docker" / "Dockerfile", ROOT / "docker" / "Dockerfile.cpu"]
@@ -16,14 +15,14 @@ DOCKERFILES = [ROOT / "docker" / "Dockerfile", ROOT / "docker" / "Dockerfile.cpu
 def test_dockerfiles_pass_hadolint():
     done = subprocess.run([str(BIN / "hadolint"), "--config", str(ROOT / "docker/.hadolint.yaml"), *map(str, DOCKERFILES)],
                           capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_ok(done)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_scripts_pass_shellcheck(script):
     # -x follows `source launch/require.sh`, whose path is relative to the repository root.
     done = subprocess.run([str(BIN / "shellcheck"), "-x", str(script)], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stdout
+    assert_ok(done)
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -94,8 +93,8 @@ def _launch(script: str, env_extra: dict, tmp_path: Path):
     done = subprocess.run(["bash", str(ROOT / "launch" / script), "--epochs", "1", "--progress", "off",
                            "--run-dir", str(tmp_path / "r")], env=env, capture_output=True, text=True, timeout=120,
                           cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert_ok(done)
+    return run_summary(tmp_path / "r")
 
 
 @pytest.mark.multiprocess
@@ -127,10 +126,46 @@ def test_torchrun_s_outcome_names_the_killed_worker_and_keeps_a_clean_stop():
 
     assert torchrun_outcome(failures(-15, 75)) == (75, None)
     assert torchrun_outcome(failures(75, 75)) == (75, None)
-    assert torchrun_outcome(failures(1, -9)) == (1, "worker rank 1 was killed by SIGKILL (exit status -9); "
-                                                    "the other workers were stopped")
+    assert torchrun_outcome(failures(1, -9)) == (137, "worker rank 1 was killed by SIGKILL (exit status 137); "
+                                                      "the other workers were stopped")
     assert torchrun_outcome(failures(-15, -9))[1].startswith("worker rank 1 was killed by SIGKILL")  # the agent's SIGTERM
     assert torchrun_outcome(failures(-15, -15))[1].startswith("worker rank 0 was killed by SIGTERM")
     assert torchrun_outcome(failures(2, 1)) == (2, "worker rank 0 exited with status 2; the other workers were stopped")
     # Rank 0 said what was wrong and exited 2 while rank 1 waited for it: the agent's SIGTERM ended rank 1.
     assert torchrun_outcome(failures(2, -15)) == (2, "worker rank 0 exited with status 2; the other workers were stopped")
+    # Rank 0's collective broke off (76) and it left first: rank 1, which failed, is named, with its status.
+    assert torchrun_outcome(failures(76, 1)) == (1, "worker rank 1 exited with status 1; the other workers were stopped")
+    assert torchrun_outcome(failures(76, -9))[0] == 137
+    assert torchrun_outcome(failures(76, 76)) == (76, "worker rank 0 stopped because another rank failed or left "
+                                                      "(exit status 76); the other workers were stopped")
+
+
+def test_horovodrun_s_outcome_names_the_worker_that_failed_not_the_first_to_exit():
+    """Horovod's Gloo launcher names the first worker to exit; a rank whose collective broke off (76) may
+    leave before the rank that failed. Its workers' statuses come through `sh`: 128 + N for signal N."""
+    from hvdtrain.cli.launchers import outcome
+
+    assert outcome({0: (76, 1.0), 1: (1, 2.0)}) == (1, "worker 1 exited with status 1; the other workers were stopped")
+    assert outcome({0: (76, 1.0), 1: (137, 2.0)}) == (137, "worker 1 was killed by SIGKILL (exit status 137); the "
+                                                           "other workers were stopped")
+    assert outcome({0: (143, 1.0), 1: (2, 2.0)})[1].startswith("worker 1 exited with status 2")  # SIGTERM: the launcher's
+    assert outcome({0: (75, 1.0), 1: (143, 2.0)}) == (75, None)
+
+
+def test_a_peer_s_report_that_another_went_away_waits_for_the_failed_worker_s_own_end():
+    """Horovod's background thread prints an error, with Horovod's and Gloo's build paths, on a rank
+    whose peer was killed: held back, and said only where no worker failed of itself."""
+    import io
+
+    from hvdtrain.cli.launchers import _PeerGoneHeldBack
+
+    stream = io.StringIO()
+    output = _PeerGoneHeldBack(stream)
+    peer_gone = ("[0]<stderr>:[2026-01-01 00:00:00.000000: E /tmp/pip-wheel-x/horovod/common/operations.cc:697] "
+                 "[0]: Horovod background loop uncaught exception: [/tmp/pip-wheel-x/third_party/gloo/gloo/"
+                 "transport/tcp/pair.cc:589] Read error [127.0.0.1]:18870: Connection reset by peer\n")
+    output.write("[0]<stderr>:hvdtrain: rank 0/2\n")
+    output.write(peer_gone)
+    assert stream.getvalue() == "[0]<stderr>:hvdtrain: rank 0/2\n"
+    output.release()
+    assert stream.getvalue() == "[0]<stderr>:hvdtrain: rank 0/2\n" + peer_gone

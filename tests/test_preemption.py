@@ -7,7 +7,6 @@ training forward pass on a chosen rank, so the moment is known, not guessed from
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -21,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import HOROVOD_AND_TORCH, LAUNCHERS, assert_same_weights, final_weights, launch_env, requires_launchers, run
+from conftest import (HOROVOD_AND_TORCH, LAUNCHERS, assert_ok, assert_same_weights, epoch_records, final_weights,
+                      fit_under, launch_env, requires_launchers, run, run_summary)
 
 pytestmark = [pytest.mark.multiprocess, requires_launchers, pytest.mark.timeout(300)]
 
@@ -39,34 +39,21 @@ def fit(launcher: str | None, run_dir: Path, *args: str, signal_at: str | None =
     `overflow_at` HVDTRAIN_TEST_OVERFLOW (see tests/user_code.py)."""
     env = {"HVDTRAIN_TEST_SIGNAL": signal_at or "", "HVDTRAIN_TEST_DROPOUT": dropout or "0.2",
            "HVDTRAIN_TEST_OVERFLOW": overflow_at or ""}
-    prefix = list(LAUNCHERS[launcher]) if launcher else []
-    if launcher == "mpirun":  # Open MPI passes only the variables it is told to
-        prefix += [arg for name in env for arg in ("-x", name)]
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        return run([*prefix, "hvdtrain", "fit", *ARGS, *args, "--run-dir", str(run_dir)])
-    finally:
-        for name, value in saved.items():
-            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+    return fit_under(launcher, *ARGS, *args, "--run-dir", str(run_dir), env=env)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
     done = fit("horovodrun-gloo", run_dir)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_ok(done)
     return run_dir
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def same_records(a: Path, b: Path) -> None:
     """The same epochs with the same losses and metrics (timings aside)."""
     keys = ("epoch", "step", "train_loss", "val_loss", "val_acc", "train_samples", "val_samples", "lr")
-    for mine, theirs in zip(records(a), records(b), strict=True):
+    for mine, theirs in zip(epoch_records(a), epoch_records(b), strict=True):
         assert {k: mine[k] for k in keys} == pytest.approx({k: theirs[k] for k in keys}, rel=1e-6)
 
 
@@ -84,10 +71,10 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_step_and_the_resume_is_exac
     assert "Traceback" not in output and "hvdtrain: error" not in output, output[-3000:]
     # The checkpoint holds 8 steps of epoch 2 (8 x 128 samples); the run's epoch 1 record only.
     assert (run_dir / "checkpoints" / "epoch-0002-sample-000001024.pt").is_file()
-    assert [r["epoch"] for r in records(run_dir)] == [1]
+    assert [r["epoch"] for r in epoch_records(run_dir)] == [1]
 
     resumed = fit(launcher, run_dir, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_ok(resumed)
     assert "(epoch 1, step 20, 1024 samples into epoch 2)" in resumed.stdout
     assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
     same_records(uninterrupted, run_dir)
@@ -110,7 +97,7 @@ def test_a_signal_while_fit_sets_up_stops_at_the_first_step_with_a_checkpoint(tm
     assert output.count("hvdtrain: stopped by SIGUSR1 at epoch 1, step 1: checkpoint written") == 1, output[-3000:]
     assert (run_dir / "checkpoints" / "epoch-0001-sample-000000032.pt").is_file()
     resumed = run([*LAUNCHERS[launcher], "hvdtrain", "fit", *args, "--run-dir", str(run_dir), "--resume"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_ok(resumed)
 
 
 @pytest.mark.parametrize("launcher", HOROVOD_AND_TORCH)
@@ -161,10 +148,10 @@ def test_a_signal_during_evaluation_stops_every_rank_at_that_epoch_s_end(uninter
     assert stopped.returncode == 75, output[-3000:]
     assert output.count("hvdtrain: stopped by SIGTERM at the end of epoch 2, step 24: checkpoint written") == 1, \
         output[-3000:]
-    assert [r["epoch"] for r in records(run_dir)] == [1, 2]  # epoch 2 finished, none of epoch 3 begun
+    assert [r["epoch"] for r in epoch_records(run_dir)] == [1, 2]  # epoch 2 finished, none of epoch 3 begun
     assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 2
     resumed = fit("torchrun", run_dir, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_ok(resumed)
     assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
     same_records(uninterrupted, run_dir)
 
@@ -195,7 +182,7 @@ def test_a_checkpoint_write_slower_than_the_stall_timeout_is_no_stall_and_a_sign
         output[-3000:]
     assert [p.name for p in (run_dir / "checkpoints").glob("epoch-*.pt")] == ["epoch-0001.pt"]
     resumed = fit(launcher, run_dir, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_ok(resumed)
     assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
 
 
@@ -206,12 +193,12 @@ def test_fp16_with_accumulation_resumes_exactly_from_a_signal_inside_an_epoch(tm
     restored, rank 1 went on at 2^16 and the ranks' updates differed.)"""
     extra = ["--precision", "fp16", "--accumulate", "2"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert fit("horovodrun-gloo", whole, *extra, overflow_at="5").returncode == 0
+    assert_ok(fit("horovodrun-gloo", whole, *extra, overflow_at="5"))
     stopped = fit("horovodrun-gloo", cut, *extra, signal_at="1:30:SIGTERM", overflow_at="5")  # step 15, epoch 3
     assert stopped.returncode == 75, stopped.stderr[-3000:]
     assert "stopped by SIGTERM at epoch 3, step 15" in stopped.stdout + stopped.stderr
     resumed = fit("horovodrun-gloo", cut, *extra, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_ok(resumed)
     assert_same_weights(final_weights(whole), final_weights(cut), atol=1e-6)
     scalers = [torch.load(d / "checkpoints" / "last.pt", weights_only=True)["scaler"] for d in (whole, cut)]
     assert scalers[0] == scalers[1] and scalers[0]["scale"] == 2.0 ** 15  # one overflow, no growth since
@@ -225,13 +212,13 @@ def test_data_loader_workers_with_a_random_augmentation_resume_exactly_from_insi
     run's. The workers leave the signal to their rank; their random state is the batch's own."""
     extra = ["--data", "user_code:augmented", "--set", "data.num_workers=2"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert fit("horovodrun-gloo", whole, *extra).returncode == 0
+    assert_ok(fit("horovodrun-gloo", whole, *extra))
     # The stop check at its default interval: the rank reads more batches before it stops.
     stopped = fit("horovodrun-gloo", cut, *extra, "--set", "run.stop_check_seconds=0.5",
                   signal_at=f"0:{STEPS_PER_EPOCH + 5}:SIGTERM:workers")
     assert stopped.returncode == 75, stopped.stderr[-3000:]
     resumed = fit("horovodrun-gloo", cut, *extra, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_ok(resumed)
     # Inside epoch 2, or at its end where the last steps came before the check.
     assert re.search(r"resuming from .*\(epoch (1, step \d+, \d+ samples into epoch 2|2, step 24)\)", resumed.stdout), \
         resumed.stdout[-2000:]
@@ -246,7 +233,7 @@ def test_checkpoints_every_n_steps_resume_on_fewer_and_more_processes(tmp_path):
     are the uninterrupted 2-process run's (up to the order of the sums)."""
     same_lr = ["--warmup-epochs", "2"]
     whole = tmp_path / "whole"
-    assert fit("horovodrun-gloo", whole, *same_lr, dropout="0").returncode == 0
+    assert_ok(fit("horovodrun-gloo", whole, *same_lr, dropout="0"))
     stopped = tmp_path / "stopped"
     done = fit("horovodrun-gloo", stopped, *same_lr, "--checkpoint-every-steps", "5",
                signal_at=f"0:{STEPS_PER_EPOCH + 7}:SIGUSR1", dropout="0")
@@ -266,11 +253,12 @@ def test_checkpoints_every_n_steps_resume_on_fewer_and_more_processes(tmp_path):
                            "--run-dir", str(copy), "--resume"], timeout=240)
         finally:
             os.environ.pop("HVDTRAIN_TEST_DROPOUT")
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert_ok(resumed)
         assert "896 samples into epoch 2" in resumed.stdout
         assert_same_weights(final_weights(whole), final_weights(copy), atol=1e-5)
-        assert [r["world_size"] for r in records(copy)] == [2, np_, np_]
-        assert [r["lr"] for r in records(copy)] == pytest.approx([r["lr"] for r in records(whole)], rel=1e-12)
+        assert [r["world_size"] for r in epoch_records(copy)] == [2, np_, np_]
+        assert [r["lr"] for r in epoch_records(copy)] == \
+            pytest.approx([r["lr"] for r in epoch_records(whole)], rel=1e-12)
         assert torch.load(copy / "checkpoints" / "last.pt", weights_only=True)["lr_batch"] == 64
 
 
@@ -296,7 +284,7 @@ def test_the_rest_of_an_epoch_is_shared_by_fewer_or_more_processes_each_sample_o
             prefix = [] if np_ == 1 else ["mpirun", "-np", "4", "--oversubscribe", "-x", "HVDTRAIN_TEST_RECORD"]
             resumed = run([*prefix, "hvdtrain", "fit", *ARGS, *data, "--batch-size", batch, "--run-dir", str(copy),
                            "--resume"], timeout=240)
-            assert resumed.returncode == 0, resumed.stderr[-3000:]
+            assert_ok(resumed)
             assert "896 samples into epoch 1" in resumed.stdout
             seen = [int(line) for folder in (before, after) for path in folder.glob("*.txt")
                     for line in path.read_text().split()]
@@ -309,7 +297,7 @@ def test_the_rest_of_an_epoch_is_shared_by_fewer_or_more_processes_each_sample_o
 def ten_epochs(tmp_path_factory) -> Path:
     """A run long enough to be signalled in the middle of training, uninterrupted."""
     run_dir = tmp_path_factory.mktemp("ten-epochs") / "run"
-    assert fit("horovodrun-gloo", run_dir, "--epochs", "10").returncode == 0
+    assert_ok(fit("horovodrun-gloo", run_dir, "--epochs", "10"))
     return run_dir
 
 
@@ -356,7 +344,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_a_checkpoint_and_leaves_
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert state["epoch"] >= 2  # at or after the end of the second epoch
     resumed = fit(launcher, run_dir, "--resume", "--epochs", "10")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_ok(resumed)
     assert_same_weights(final_weights(ten_epochs), final_weights(run_dir), atol=1e-6)
 
 
@@ -397,7 +385,7 @@ def test_one_rank_killed_at_random_moments_stops_the_job_and_each_resume_is_exac
     moments = int(os.environ.get("HVDTRAIN_KILL_MOMENTS", "3"))
     seed = int(os.environ.get("HVDTRAIN_KILL_SEED", str(time.time_ns() % 10_000)))
     chance = random.Random(seed)
-    training = json.loads((uninterrupted / "summary.json").read_text())["wall_s"]  # fit's own time, about
+    training = run_summary(uninterrupted)["wall_s"]  # fit's own time, about
     for moment in range(moments):
         launcher, victim = KILL_LAUNCHERS[moment % 3], chance.randrange(2)
         # A quarter while the ranks start (imports, rendezvous, set-up); the rest once rank 0 has opened

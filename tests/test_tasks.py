@@ -9,6 +9,7 @@ import torch
 from sklearn.metrics import accuracy_score, f1_score, mean_absolute_error, mean_squared_error, r2_score
 from torch import nn
 
+from conftest import fit_here
 from hvdtrain.data.batch import batch_size, call_model, split_batch, to_device
 from hvdtrain.cli import main
 from hvdtrain.config import TaskConfig
@@ -141,8 +142,7 @@ LOCAL = ["--progress", "off", "--engine", "local", "--threads", "1"]
 
 
 def _fit(tmp_path, *args):
-    main(["fit", *LOCAL, "--run-dir", str(tmp_path), *args])
-    return json.loads((tmp_path / "summary.json").read_text())
+    return fit_here(tmp_path, "--threads", "1", *args)
 
 
 def test_regression_from_an_npz_with_float_targets(tmp_path):
@@ -171,6 +171,21 @@ def test_a_float_target_column_under_classification_is_refused_before_training(t
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "classification needs integer class labels: for float targets use --task regression" in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_negative_labels_are_named_as_negative_not_as_one_class(tmp_path, capsys):
+    """Labels 0, -1, ..., -99: the data set's largest label, 0, made a model of one output, refused as
+    "one class: nothing to tell apart". The first negative label and its index are named instead."""
+    x = np.random.default_rng(0).normal(size=(100, 4)).astype(np.float32)
+    np.savez(tmp_path / "n.npz", x=x, y=-np.arange(100))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *LOCAL, "--run-dir", str(tmp_path / "run"), "--data", str(tmp_path / "n.npz")])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hvdtrain: error:")]
+    assert errors == ["hvdtrain: error: task classification: the labels include -1 (the first negative one, at "
+                      "index 1 of the data set's labels); class labels run from 0 to classes - 1 "
+                      "(task.ignore_index -100 marks a label to skip)"]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -244,8 +259,11 @@ def test_the_first_batch_names_what_does_not_fit():
         _check(TaskConfig(), three, (x, torch.tensor([0, 1, 2, 0, 1, 2, 0, 9])))
     with pytest.raises(UserError, match=r"the labels reach 7 .* at least 8 outputs"):
         _check(TaskConfig(), three, (x, torch.zeros(8, dtype=torch.long)), held=torch.tensor([0, 7]))
-    with pytest.raises(UserError, match=r"the labels include -2"):
+    with pytest.raises(UserError, match=r"the labels include -2 \(the first negative one, at index 0 of the data"):
         _check(TaskConfig(), three, (x, torch.zeros(8, dtype=torch.long)), held=torch.tensor([-2, 1]))
+    per_position = torch.tensor([[0, 1, 2, 0, 1], [2, 0, -3, -4, 1]])
+    with pytest.raises(UserError, match=r"include -3 \(the first negative one, at position \(1, 2\) of the first"):
+        _check(TaskConfig(), nn.Conv1d(4, 3, 1), (torch.randn(2, 4, 5), per_position))
     with pytest.raises(UserError, match=r"classification needs integer class labels .* --task regression"):
         _check(TaskConfig(), three, (x, torch.randn(8)))
     with pytest.raises(UserError, match=r"1 output per sample, one class: nothing to tell apart. .*--task regression"):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import fit_under, requires_launchers
+from conftest import assert_ok, epoch_records, fit_under, requires_launchers, run_summary
 from hvdtrain.cli import main
 
 DIGITS = ["--progress", "off", "--log-every", "5", "--mlflow"]
@@ -31,7 +31,7 @@ def test_mlflow_holds_the_run_s_params_metrics_and_artifacts_in_one_run_across_a
 
     run_dir = tmp_path / "run"
     first = fit_under("horovodrun-gloo", *DIGITS, "--epochs", "2", "--run-dir", str(run_dir))
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert_ok(first)
     main(["fit", *DIGITS, "--epochs", "3", "--engine", "local", "--resume", "--run-dir", str(run_dir)])
 
     client = MlflowClient(mlflow_env)
@@ -40,7 +40,7 @@ def test_mlflow_holds_the_run_s_params_metrics_and_artifacts_in_one_run_across_a
     run = runs[0]
     assert run.info.status == "FINISHED" and run.info.run_name == "run"
     assert run.data.params["train.epochs"] == "2" and run.data.params["optim.lr"] == "0.05"
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = epoch_records(run_dir)
     history = client.get_metric_history(run.info.run_id, "val_acc")
     assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r["val_acc"])) for r in records]
     steps = client.get_metric_history(run.info.run_id, "steps/train_loss")
@@ -52,6 +52,55 @@ def test_mlflow_holds_the_run_s_params_metrics_and_artifacts_in_one_run_across_a
     assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")] == ["checkpoints/best.pt"]
 
 
+# What a user types in a fresh Python, in the directory of the run, with no MLflow variable set.
+READ_BACK = """
+import json, mlflow
+client = mlflow.MlflowClient()
+experiment = client.get_experiment_by_name("hvdtrain").experiment_id
+runs = mlflow.search_runs(experiment_ids=[experiment], output_format="list")
+print(json.dumps([[r.info.run_name, r.info.status, r.data.params["train.epochs"], r.data.metrics["val_acc"]]
+                  for r in runs] + [mlflow.get_tracking_uri()]))
+"""
+
+
+def test_the_default_store_is_one_mlflow_s_own_client_reads_with_no_setting(monkeypatch, tmp_path):
+    """Without MLFLOW_TRACKING_URI the runs went to ./mlruns, MLflow's file store, which its client
+    refuses (maintenance mode) unless MLFLOW_ALLOW_FILE_STORE is set: now MLflow's own default store."""
+    import os
+    import subprocess
+    import sys
+
+    for name in [name for name in os.environ if name.startswith("MLFLOW_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *DIGITS, "--epochs", "1", "--engine", "local", "--run-dir", "run"])
+    summary = run_summary(tmp_path / "run")
+    fresh = {name: value for name, value in os.environ.items() if not name.startswith("MLFLOW_")}
+    done = subprocess.run([sys.executable, "-c", READ_BACK], cwd=tmp_path, env=fresh, capture_output=True,
+                          text=True, timeout=120)
+    assert_ok(done)
+    *runs, uri = json.loads(done.stdout.strip().splitlines()[-1])
+    assert runs == [["run", "FINISHED", "1", pytest.approx(summary["val_acc"])]]
+    assert uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def test_the_default_store_without_its_database_packages_is_one_line_at_set_up(monkeypatch, tmp_path):
+    import importlib.util
+
+    from hvdtrain.errors import UserError
+    from hvdtrain.io.mlflow_log import require_mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "alembic" else find_spec(name, *a))
+    with pytest.raises(UserError, match=r"^--mlflow writes to sqlite:///\S+/mlflow.db, and MLflow's database store "
+                                        r"needs alembic: pip install 'hvdtrain\[mlflow\]', or set MLFLOW_TRACKING_URI"):
+        require_mlflow()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    require_mlflow()  # a server needs neither
+
+
 def test_a_tracking_server_that_cannot_be_reached_is_said_once_and_the_run_goes_on(mlflow_env, monkeypatch,
                                                                                        tmp_path, capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing listens on the discard port
@@ -61,4 +110,4 @@ def test_a_tracking_server_that_cannot_be_reached_is_said_once_and_the_run_goes_
     assert len(warnings) == 1 and warnings[0].startswith(
         "hvdtrain: warning: MLflow at http://127.0.0.1:9 cannot be reached (")
     assert warnings[0].endswith("; training goes on without it")
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["epochs"] == 2
+    assert run_summary(tmp_path / "run")["epochs"] == 2

@@ -7,7 +7,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, ContextManager, NoReturn
 
 import click
 
@@ -20,26 +20,12 @@ from hvdtrain.errors import RendezvousFailed, StoppedBySignal, UserError
 QUIET_RANK_WAIT_SECONDS = 10.0
 
 
-def with_engine(debug: bool, work: Callable[[Any], Any], **engine_args: Any) -> None:
-    """Starts the engine (`start_engine`'s arguments), runs `work(engine)`, shuts it down.
+def command_engine(debug: bool, **engine_args: Any) -> ContextManager[Any]:
+    """The engine (`start_engine`'s arguments) for a command's work, shut down after it; a failure
+    is reported (one line, the exit) before the shutdown."""
+    from hvdtrain.engine import running_engine
 
-    A failure is reported before the engine shuts down: launchers stop the other ranks as
-    soon as one exits, and rank 0 must have said why by then.
-    """
-    from hvdtrain.engine import start_engine
-
-    engine = start_engine(**engine_args)
-    finished = False
-    try:
-        work(engine)
-        finished = True
-    except Exception as err:
-        # Stopped by a signal, every rank at the same step: as orderly an end as a finished run.
-        finished = isinstance(err, StoppedBySignal)
-        report_and_exit(err, debug)
-        raise
-    finally:
-        engine.shutdown(finished)
+    return running_engine(lambda err: report_and_exit(err, debug), **engine_args)
 
 
 def report_and_exit(err: Exception, debug: bool) -> None:
@@ -61,12 +47,10 @@ def report_and_exit(err: Exception, debug: bool) -> None:
         fail(str(err), err.exit_code, debug, every_rank=True)
     if isinstance(err, RankFailed):
         fail(str(err), UserError.exit_code if err.kind == "UserError" else 1, debug)
-    if _collective_failure(err):
-        # Not only rank 0: the rank that sees it says so (the others may be gone already).
-        rank = launcher_rank() or 0
-        first = str(err).split(". ")[0]
-        fail(f"rank {rank}: the job stopped in a collective: {first} (another rank failed or left: its own "
-             "line, or the launcher's, names it)", 1, debug, every_rank=True)
+    if _collective_failure(err):  # another rank's failure: the failed rank, or its launcher, names it
+        from hvdtrain.train.failures import leave_after_another_rank
+
+        leave_after_another_rank(err, launcher_rank() or 0, debug)
 
 
 def _collective_failure(err: Exception) -> bool:

@@ -3,7 +3,9 @@
 Each runs the launcher it is named after unchanged. The only difference: when a worker
 fails, Horovod's Gloo launcher and torchrun each raise and print a traceback and a
 report of their own under the worker's one-line error; here that report is one line
-too, and the exit status is the worker's. torchrun also takes `hvdtrain` as the program
+too, and names the worker that failed first, with its exit status: not a rank that stopped only
+because its collective broke off (status 76, hvdtrain.errors.ANOTHER_RANK_FAILED), even where that
+rank left first. torchrun also takes `hvdtrain` as the program
 (`torchrun --nproc-per-node 2 hvdtrain fit`), which it would otherwise look for as a
 Python file in the current directory.
 
@@ -19,8 +21,10 @@ import os
 import re
 import signal
 import sys
+from typing import Any
 
 STOPPED = 75  # every rank stopped on a signal with a checkpoint (hvdtrain.errors.StoppedBySignal)
+ANOTHER_RANK_FAILED = 76  # dist: a rank whose collective broke off as another failed (hvdtrain.errors)
 FAILED_JOB_GRACE_SECONDS = 5
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 # A process with one of these is a rank (or a rank's own worker process, which inherits them).
@@ -106,22 +110,82 @@ def horovodrun() -> None:
     # Horovod's Gloo launcher would take SIGINT and SIGTERM over and kill every rank 5 s later,
     # stopped or not: its shutdown event is left unset, the ranks stop themselves.
     gloo_run.register_shutdown_event = threading.Event
+    workers = _GlooWorkers(gloo_run)
     try:
-        sys.exit(run_commandline())
+        code = run_commandline()
     except RuntimeError as err:
         message = " ".join(str(err).split())
         if "exited with non-zero status" not in message:
             raise
         found = re.search(r"Process name: (\S+) Exit code: (-?\d+)", message)
-        if found is None:
+        # Horovod names the first worker to exit; the one that failed first may have left later.
+        failed = {rank: ended for rank, ended in workers.exits.items() if ended[0] != 0} or \
+            ({found.group(1): (int(found.group(2)), 0.0)} if found else {})
+        if not failed:
             print(f"horovodrun: {message}", file=sys.stderr, flush=True)
             sys.exit(1)
-        worker, code = found.group(1), int(found.group(2))
-        if code == STOPPED:  # rank 0 has said where every rank stopped
-            sys.exit(code)
-        print(f"horovodrun: worker {worker} {_describe_exit(code)}; the other workers were stopped",
-              file=sys.stderr, flush=True)
-        sys.exit(code if code > 0 else 1)
+        code, line = outcome(failed)
+        if code == ANOTHER_RANK_FAILED:  # no worker failed of itself: what its peers said may tell why
+            workers.output.release()
+        if line:
+            print(f"horovodrun: {line}", file=sys.stderr, flush=True)
+        sys.exit(code)
+    workers.output.release()
+    sys.exit(code)
+
+
+class _GlooWorkers:
+    """Horovod's Gloo launcher, watched: every worker's (exit code, time), which it collects but reports
+    only the first to exit of; the workers' stderr, less a peer's report that another went away."""
+
+    def __init__(self, gloo_run) -> None:
+        from horovod.runner.util import threads
+
+        self.threads = threads
+        self.exits: dict[int, tuple[int, float]] = {}  # by rank, once all have ended
+        self.output = _PeerGoneHeldBack(sys.stderr)
+        gloo_run.threads = self  # launch_gloo's one call, below
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.threads, name)
+
+    def execute_function_multithreaded(self, *args: object, **kwargs: object) -> dict:
+        sys.stderr = self.output  # where Horovod forwards each worker's stderr, looked up as they start
+        try:
+            results = self.threads.execute_function_multithreaded(*args, **kwargs)
+        finally:
+            sys.stderr = self.output.stream
+        self.exits.update(results)
+        return results
+
+
+class _PeerGoneHeldBack:
+    """A text stream that holds back the line Horovod's background thread prints when a peer went away
+    (an error, with Horovod's and Gloo's build paths, from a rank that did not fail): the failed
+    worker's own end explains it. `release` says it after all where no worker failed of itself."""
+
+    PEER_GONE = re.compile(r"Horovod background loop uncaught exception: .*(reset by peer|closed by peer|Read error"
+                           r"|Broken pipe)")
+
+    def __init__(self, stream) -> None:
+        self.stream, self.held = stream, []
+
+    def write(self, text: str) -> int:
+        if self.PEER_GONE.search(text):
+            self.held.append(text)
+            return len(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def release(self) -> None:
+        self.stream.write("".join(self.held))
+        self.stream.flush()
+        self.held = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.stream, name)
 
 
 def torchrun() -> None:
@@ -187,21 +251,38 @@ def _grace_after_a_failure(args) -> None:
 
 
 def torchrun_outcome(failures: dict[int, object]) -> tuple[int, str | None]:
-    """torchrun's exit status and its line, from the failed workers' exit codes by rank.
+    """torchrun's exit status and its line, from its failed workers' records by rank (`outcome`)."""
+    return outcome({rank: (failure.exitcode, failure.timestamp) for rank, failure in failures.items()},  # type: ignore[attr-defined]
+                   "worker rank")
 
-    A rank that stopped (75) did so after every rank had saved and met: the agent's SIGTERM to a rank
-    still on its way out after that cuts nothing short, and is not named. Else a worker killed by a
-    signal (SIGKILL, out of memory) comes before the others, whose own errors follow from it (their
-    peer went away); then a worker that exited with an error of its own; SIGTERM last of all: the
-    agent sends it to the rest once one failed (ranks that wait for rank 0's error line get it).
-    Among equals, the first to fail."""
-    codes = {rank: failure.exitcode for rank, failure in failures.items()}
+
+def outcome(failures: dict[Any, tuple[int, float]], worker: str = "worker") -> tuple[int, str | None]:
+    """The launcher's exit status and its line, from the failed workers' (exit code, time) by rank.
+
+    A rank that stopped (75) did so after every rank had saved and met: a signal the launcher then sent
+    to a rank still on its way out cuts nothing short, and is not named. Else the worker that failed
+    first, by how it ended: one killed by a signal (SIGKILL, out of memory) before the others, whose
+    own errors follow from it (their peer went away); then one that exited with an error of its own;
+    then one whose collective broke off (76), a consequence; SIGTERM last of all, which the launcher
+    sends to the rest once one failed. Among equals, the first to end. The status is that worker's
+    (128 + N for signal N, as a shell says it)."""
+    codes = {rank: code for rank, (code, _) in failures.items()}
     if STOPPED in codes.values():
         return STOPPED, None
-    rank = min(codes, key=lambda r: (2 if codes[r] == -signal.SIGTERM else 0 if codes[r] < 0 else 1,
-                                     failures[r].timestamp, r))
+    rank = min(codes, key=lambda r: (_consequence(codes[r]), failures[r][1], r))
     code = codes[rank]
-    return code if code > 0 else 1, f"worker rank {rank} {_describe_exit(code)}; the other workers were stopped"
+    return code if code >= 0 else 128 - code, \
+        f"{worker} {rank} {_describe_exit(code)}; the other workers were stopped"
+
+
+def _consequence(code: int) -> int:
+    """How far an exit status is from the job's first failure: 0 for a death by a signal other than
+    SIGTERM, 1 for an error of its own, 2 for a broken-off collective, 3 for SIGTERM."""
+    if code in (-signal.SIGTERM, 128 + signal.SIGTERM):
+        return 3
+    if code == ANOTHER_RANK_FAILED:
+        return 2
+    return 0 if code < 0 or code > 128 else 1
 
 
 def _program_index(argv: list[str]) -> int:
@@ -219,11 +300,14 @@ def _program_index(argv: list[str]) -> int:
 
 
 def _describe_exit(code: int) -> str:
-    """`exited with status 2`, or the signal a shell's 128+N status stands for."""
+    """`exited with status 2`, or the signal that a shell's 128+N status (or a negative one) stands for,
+    with the status a shell gives it: the launcher's own."""
+    if code == ANOTHER_RANK_FAILED:
+        return f"stopped because another rank failed or left (exit status {code})"
     number = code - 128 if code > 128 else -code if code < 0 else 0
     if number:
         try:
-            return f"was killed by {signal.Signals(number).name} (exit status {code})"
+            return f"was killed by {signal.Signals(number).name} (exit status {128 + number})"
         except ValueError:
             pass
     return f"exited with status {code}"

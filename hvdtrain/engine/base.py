@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Protocol, TypeVar
 import torch
 
 from hvdtrain.engine.watchdog import Activity, StallWatchdog
-from hvdtrain.errors import UserError
+from hvdtrain.errors import UserError, note_where_the_job_stood, where_the_job_stood
 
 T = TypeVar("T")
 
@@ -139,7 +139,12 @@ class Engine(ABC):
     def settle(self, phase: str, error: BaseException | None) -> None:
         """Every rank says how its part of `phase` went; raises on all if any failed."""
         if self.size > 1:
-            reports = self.allgather_object(None if error is None else _report(error), f"agree.{phase}")
+            try:
+                reports = self.allgather_object(None if error is None else _report(error), f"agree.{phase}")
+            except Exception as broken:  # where this rank's own error had noted the job stood, if it had
+                if error is not None and where_the_job_stood(error):
+                    note_where_the_job_stood(broken, *where_the_job_stood(error))
+                raise
             failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
             if failed and error is None:
                 rank, (kind, message) = failed[0]
@@ -192,10 +197,21 @@ class WatchedEngine(Engine):
     def at(self, where: str) -> None:
         self.activity.at(where)
 
+    @contextlib.contextmanager
+    def _collective(self, name: str) -> Iterator[None]:
+        """Waits in collective `name`; where it broke off (another rank failed or left) goes with its error."""
+        with self.activity.waiting(name):
+            try:
+                yield
+            except Exception as err:
+                if self.is_engine_signal(err):
+                    note_where_the_job_stood(err, self.activity.where, first=True)
+                raise
+
     def synchronize(self, optimizer: torch.optim.Optimizer) -> bool:
         if self._updates_in_step():
             return False
-        with self.activity.waiting("the gradient allreduce"):
+        with self._collective("the gradient allreduce"):
             self._synchronize(optimizer)
         return True
 
@@ -204,27 +220,27 @@ class WatchedEngine(Engine):
         return False
 
     def broadcast_parameters(self, model: torch.nn.Module) -> None:
-        with self.activity.waiting("broadcast of the parameters"):
+        with self._collective("broadcast of the parameters"):
             self._broadcast_parameters(model)
 
     def broadcast_object(self, obj: Any, name: str) -> Any:
-        with self.activity.waiting(f"broadcast '{name}'"):
+        with self._collective(f"broadcast '{name}'"):
             return self._broadcast_object(obj, name)
 
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
-        with self.activity.waiting(f"allgather '{name}'"):
+        with self._collective(f"allgather '{name}'"):
             return self._allgather_object(obj, name)
 
     def gather_object(self, obj: Any, name: str) -> list[Any] | None:
-        with self.activity.waiting(f"gather '{name}'"):
+        with self._collective(f"gather '{name}'"):
             return self._gather_object(obj, name)
 
     def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        with self.activity.waiting(f"allreduce '{name}'"):
+        with self._collective(f"allreduce '{name}'"):
             return self._allreduce_sum(tensor, name)
 
     def barrier(self) -> None:
-        with self.activity.waiting("barrier"):
+        with self._collective("barrier"):
             self._barrier()
 
     def shutdown(self, finished: bool = False) -> None:

@@ -1,17 +1,22 @@
 """MLflow tracking (`--mlflow`), written by rank 0 beside TensorBoard's event files.
 
-    hvdtrain fit --mlflow                                   # ./mlruns, or $MLFLOW_TRACKING_URI
+    hvdtrain fit --mlflow                                   # ./mlflow.db, or $MLFLOW_TRACKING_URI
     MLFLOW_TRACKING_URI=http://mlflow:5000 horovodrun -np 8 hvdtrain fit --mlflow
-    mlflow ui --backend-store-uri ./mlruns                  # (the full mlflow package)
+    mlflow ui --backend-store-uri sqlite:///mlflow.db       # (the full mlflow package)
 
 The config as parameters (`section.key`), each epoch's record as metrics at the run's optimizer
 step (and `steps/...` every run.log_every steps), the summary and the best checkpoint as
 artifacts. The MLflow run's id is kept in the run directory, so a resumed run goes on in the same
 MLflow run. A tracking server that cannot be reached is said once; training goes on without it.
+
+Without $MLFLOW_TRACKING_URI the store is the one MLflow's own client picks in the same directory
+(`sqlite:///mlflow.db` since MLflow 3's file store went into maintenance), so that `MlflowClient()` or
+`mlflow.search_runs()` there reads the runs with no setting at all.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -24,11 +29,27 @@ _NOT_METRICS = {"epoch", "epochs", "step", "world_size"}
 
 
 def require_mlflow() -> None:
-    """Every rank, while setting up: --mlflow without the package is one line, before anything is written."""
+    """Every rank, while setting up: --mlflow without the package, or without the database packages its
+    store needs, is one line, before anything is written."""
     import importlib.util
 
     if importlib.util.find_spec("mlflow") is None:
         raise UserError("--mlflow needs MLflow: pip install 'hvdtrain[mlflow]' (mlflow-skinny), or drop --mlflow")
+    missing = [name for name in ("sqlalchemy", "alembic") if importlib.util.find_spec(name) is None]
+    if missing and _is_database(uri := tracking_uri()):  # mlflow is imported only on this rare path
+        raise UserError(f"--mlflow writes to {uri}, and MLflow's database store needs {' and '.join(missing)}: "
+                        "pip install 'hvdtrain[mlflow]', or set MLFLOW_TRACKING_URI to a tracking server")
+
+
+def tracking_uri() -> str:
+    """$MLFLOW_TRACKING_URI, else the store MLflow's own client would open in this directory."""
+    import mlflow
+
+    return os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
+
+
+def _is_database(uri: str) -> bool:
+    return uri.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "mysql", "mssql")
 
 
 class MLflowLog:
@@ -39,9 +60,11 @@ class MLflowLog:
         import mlflow
 
         self.mlflow, self.warn, self.run_dir = mlflow, warn, run_dir
-        self.uri = os.environ.get("MLFLOW_TRACKING_URI") or (Path.cwd() / "mlruns").as_uri()
+        self.uri = tracking_uri()
+        # Its two lines of INFO while it creates a new database, between hvdtrain's own.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
         if self.uri.startswith("file:") or "://" not in self.uri:
-            # MLflow 3 keeps its file store in maintenance mode behind this switch; it is what a local run wants.
+            # MLflow 3 keeps its file store (asked for, or an ./mlruns of earlier runs) behind this switch.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         # A server that does not answer must not hold training for MLflow's default minutes of retries.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")

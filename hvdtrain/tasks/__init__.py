@@ -32,7 +32,7 @@ def build_task(cfg: TaskConfig) -> Task:
     if is_factory_path(cfg.name):
         from hvdtrain.tasks.user import user_task
 
-        return user_task(cfg.name, cfg.target_key)
+        return user_task(cfg.name, cfg.target_key, cfg.args)
     close = difflib.get_close_matches(cfg.name, BUILT_IN, n=1)
     if close:
         raise UserError(f"unknown task '{cfg.name}': did you mean '{close[0]}'?")

@@ -85,6 +85,9 @@ class Classification(Task):
                             f"({logits.dtype}); it needs float logits shaped (batch, classes): for one value per "
                             "sample use --task regression, for 0/1 per class --task multilabel")
         classes = logits.shape[1]
+        if not target.is_floating_point() and target.dtype != torch.bool:
+            # Before the count of classes: labels 0, -1, -2, ... make a data set of "one class".
+            self._check_no_negative_label(target, held_targets)
         if classes < 2:  # its loss is 0 and its accuracy 1 whatever the model does
             raise UserError(f"task classification: the model gives {classes} output per sample, one class: nothing "
                             "to tell apart. For one number per sample use --task regression; for a yes/no label "
@@ -110,14 +113,25 @@ class Classification(Task):
         labels = labels[labels != self.ignore_index]
         if labels.numel() == 0:
             return
-        low, high = int(labels.min()), int(labels.max())
-        if low < 0:
-            raise UserError(f"task classification: the labels include {low}; class labels run from 0 to "
-                            f"classes - 1 (task.ignore_index {self.ignore_index} marks a label to skip)")
+        high = int(labels.max())
         if high >= classes:
             raise UserError(f"task classification: the labels reach {high} but the model's output has {classes} "
                             f"classes (shape {_shape(logits)}): the model needs at least {high + 1} outputs "
                             "(a model factory receives the count as num_classes; set it with data.num_classes)")
+
+    def _check_no_negative_label(self, target: torch.Tensor, held_targets: torch.Tensor | None) -> None:
+        """The first negative label (other than task.ignore_index) and where: among the labels the data set
+        holds (its own index there), else in the first batch."""
+        for labels, whose in ((held_targets, "the data set's labels"), (target.detach().cpu(), "the first batch")):
+            if labels is None:
+                continue
+            negative = ((labels < 0) & (labels != self.ignore_index)).nonzero()
+            if len(negative):
+                index = tuple(int(i) for i in negative[0])
+                place = f"index {index[0]}" if len(index) == 1 else f"position {index}"
+                raise UserError(f"task classification: the labels include {int(labels[index])} (the first negative "
+                                f"one, at {place} of {whose}); class labels run from 0 to classes - 1 "
+                                f"(task.ignore_index {self.ignore_index} marks a label to skip)")
 
 
 class Regression(Task):

@@ -6,6 +6,9 @@
                         `predict`, `maximize`, `primary` and `target_key`   (see hvdtrain.tasks.base)
     a task class        the same, made with no arguments
     a factory           a function of no arguments returning any of the above
+
+task.args, when given, are bound by name to the function, class or factory ("no arguments": none
+but those).
 """
 
 from __future__ import annotations
@@ -18,15 +21,20 @@ import torch
 from torch import nn
 
 from hvdtrain.errors import UserError
-from hvdtrain.factory import resolve_factory
+from hvdtrain.factory import resolve_factory, with_args
 from hvdtrain.numerics.metrics import Totals, ratios
 from hvdtrain.tasks.base import Task, predictions
 
 _PARTS = ("loss", "metrics", "forward", "summarize", "predict")
 
 
-def user_task(path: str, target_key: str) -> Task:
+def user_task(path: str, target_key: str, args: Mapping[str, Any] | None = None) -> Task:
     found = resolve_factory(path, "task", require_callable=False)
+    if args:  # task.args: bound by name to the loss function, the class or the factory
+        if not (inspect.isclass(found) or inspect.isroutine(found)):
+            raise UserError(f"task '{path}' is a {type(found).__name__} object, made already: task.args has nothing "
+                            "to give it; name its class or a function instead")
+        found = with_args(path, "task", found, args, "task.args")
     return _adapt(path, found, target_key, made=False)
 
 
