@@ -116,17 +116,7 @@ PY
       # by the torch they were compiled against; this cache is keyed by both.
       # Horovod 0.28.1 pins -std=c++14; torch >= 2.1 headers need C++17. A compiler
       # wrapper raises the standard without patching Horovod's sources.
-      wrapper="$cache/build/cxx17"
-      cat >"$wrapper" <<'SH'
-#!/bin/sh
-real="${HVDTRAIN_REAL_CXX:-g++}"
-for a in "$@"; do
-  [ "$a" = "-std=c++14" ] && a="-std=c++17"
-  set -- "$@" "$a"; shift
-done
-exec "$real" "$@"
-SH
-      chmod +x "$wrapper"
+      wrapper="$here/launch/cxx17.sh"
       pip install 'setuptools<81' wheel packaging cloudpickle psutil pyyaml cffi numpy
       build_env=(
         CXX="$wrapper"
@@ -155,18 +145,9 @@ fi
 # Horovod's Gloo launcher and torchrun print a traceback and a report of their own
 # whenever a worker exits non-zero; these entries run the same launchers and report
 # that in one line (hvdtrain/cli/launchers.py).
-bin_dir=$(dirname "$py")
 launchers=(torchrun)
 [ "$engine" = all ] && launchers+=(horovodrun)
-for launcher in "${launchers[@]}"; do
-  cat >"$bin_dir/$launcher" <<SH
-#!$py
-from hvdtrain.cli.launchers import $launcher
-if __name__ == "__main__":  # Horovod's runner spawns processes that re-import this file
-    $launcher()
-SH
-  chmod +x "$bin_dir/$launcher"
-done
+bash "$here/launch/launcher-entries.sh" "$py" "${launchers[@]}"
 
 # 5. hvdtrain itself (editable) and mpi4py when MPI is there.
 spec="$here"
