@@ -434,6 +434,14 @@ def signals_itself(input_shape, num_classes):
     return _SignalsItself(build_model(ModelConfig(name="mlp"), input_shape, num_classes))
 
 
+def signals_itself_cnn(input_shape, num_classes):
+    """signals_itself around the built-in CNN of 16 channels, for images."""
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.models import build_model
+
+    return _SignalsItself(build_model(ModelConfig(name="cnn", hidden=16), input_shape, num_classes))
+
+
 def signals_itself_lm(input_shape, num_classes):
     """A bigram language model over `num_classes` token ids (dropout after the embedding) that
     signals itself as signals_itself does."""

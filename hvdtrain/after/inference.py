@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from hvdtrain.data.augment import prepared, prepared_batches
 from hvdtrain.data.batch import to_device
 from hvdtrain.io.atomic import atomic_write
 from hvdtrain.data.loading import batches, collate_function
@@ -50,11 +51,19 @@ def evaluate_run(saved: SavedRun, engine: Engine, part: str) -> dict[str, Any]:
         held = dataset.tensors[-1] if isinstance(dataset, TensorDataset) and len(dataset.tensors) > 1 else None
         template = check_first_batch(saved.task, saved.model, first, held, precision, "evaluation").template
     sampler = EvalShardSampler(len(dataset), cfg.data.batch_size, engine.rank, engine.size)  # dist
-    result = evaluate(saved.model, engine, saved.task, batches(dataset, sampler, 0, False, collate), template,
-                      precision, cfg.train.channels_last)
+    loaded = prepared_batches(batches(dataset, sampler, 0, False, collate), dataset, engine.device)
+    result = evaluate(saved.model, engine, saved.task, loaded, template, precision, cfg.train.channels_last)
     return {"run_dir": str(saved.run_dir), "checkpoint": str(saved.checkpoint), "epoch": saved.epoch,
             "data": cfg.data.name, "part": part, "samples": result.samples, "world_size": engine.size,
             **result.metrics}
+
+
+class Predictions(list):
+    """Per-batch prediction tensors, in input order; `files`: each sample's file, where the data names them."""
+
+    def __init__(self, per_batch: list[torch.Tensor], files: list[str] | None = None):
+        super().__init__(per_batch)
+        self.files = files
 
 
 @torch.no_grad()
@@ -71,13 +80,15 @@ def predict_run(saved: SavedRun, engine: Engine, part: str, raw: bool) -> list[t
                 "prediction")
     sampler = FixedBatchesByRank(len(dataset), cfg.data.batch_size, engine.rank, engine.size)  # dist
     mine = []
-    for number, batch in zip(sampler.batch_numbers, batches(dataset, sampler, 0, False, collate)):
+    loaded = prepared_batches(batches(dataset, sampler, 0, False, collate), dataset, engine.device)
+    for number, batch in zip(sampler.batch_numbers, loaded):
         batch = to_device(batch, engine.device, cfg.train.channels_last)
         mine.append((number, _predicted(saved, batch, precision, raw).cpu()))
     everyone = engine.gather_object(mine, "predictions")  # dist: rank 0 puts them in input order
     if everyone is None:
         return None
-    return [tensor for _, tensor in sorted(pair for rank_part in everyone for pair in rank_part)]
+    files = [dataset.file(i) for i in range(len(dataset))] if hasattr(dataset, "file") else None
+    return Predictions([tensor for _, tensor in sorted(pair for rank_part in everyone for pair in rank_part)], files)
 
 
 def _predicted(saved: SavedRun, batch: Any, precision: Precision, raw: bool) -> torch.Tensor:
@@ -95,7 +106,7 @@ def _predicted(saved: SavedRun, batch: Any, precision: Precision, raw: bool) -> 
 def first_batch(dataset: Dataset, batch_size: int, collate: Any, engine: Engine) -> Any:
     size = min(batch_size, len(dataset))  # type: ignore[arg-type]
     first = next(iter(batches(dataset, [list(range(size))], 0, False, collate)))
-    return to_device(first, engine.device)
+    return prepared(dataset, to_device(first, engine.device))
 
 
 def check_prediction_path(path: str) -> Path:
@@ -115,7 +126,10 @@ def write_predictions(path: Path, per_batch: list[torch.Tensor]) -> tuple[int, s
     samples = [row for tensor in per_batch for row in tensor]
     same_shape = len({tuple(t.shape[1:]) for t in per_batch}) == 1
     if path.suffix == ".jsonl":
-        text = "".join(json.dumps({"index": i, "prediction": row.tolist()}) + "\n" for i, row in enumerate(samples))
+        files = getattr(per_batch, "files", None)
+        named = (lambda i: {"file": files[i]}) if files else (lambda i: {})
+        text = "".join(json.dumps({"index": i, **named(i), "prediction": row.tolist()}) + "\n"
+                       for i, row in enumerate(samples))
         atomic_write(path, lambda handle: handle.write(text.encode()))
     elif path.suffix == ".pt":
         value = torch.cat(per_batch) if same_shape else samples
