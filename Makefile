@@ -4,7 +4,7 @@ VENV ?= .venv
 NP ?= 2
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install install-test demo test test-fast test-kill bench clean
+.PHONY: install install-test demo test test-fast test-kill bench gpu-kit clean
 
 install:
 	VENV=$(VENV) bash launch/install.sh
@@ -18,11 +18,11 @@ demo: install
 	horovodrun -np $(NP) hvdtrain fit
 
 ## make test: the whole suite, multi-process tests included (CPU only), on 2 pytest-xdist workers:
-## a test file runs whole on one worker (its shared runs made once); many tests wait on timeouts,
-## signals and launchers, which leaves the cores idle a third of the time on one worker.
-## Tests marked serial time their steps and run alone afterwards.
+## a test file runs whole on one worker (its shared runs made once), the longest files first
+## (tests/file_order.py); many tests wait on timeouts, signals and launchers, which leaves the cores
+## idle a third of the time on one worker. Tests marked serial time their steps and run alone afterwards.
 test: install-test
-	python -m pytest -n 2 --dist loadfile -m "not serial" -ra --durations=40; shared=$$?; \
+	python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" -ra --durations=40; shared=$$?; \
 	python -m pytest -m serial -ra; alone=$$?; exit $$((shared || alone))
 
 ## make test-fast: the in-process tests only (no launchers, no Slurm, no image builds).
@@ -35,11 +35,17 @@ test-kill: install-test
 
 ## make bench: hvdtrain fit against a hand-written Horovod loop, torchrun DDP and one process;
 ## then the cost of the stop check and of checkpoints inside an epoch; then the input pipeline of
-## each kind of data source.
+## each kind of data source, and of a generated folder of JPEGs (decoding, augmentation on the device).
 bench: install-test
 	python benchmarks/run.py
 	python benchmarks/stop_check.py
 	python benchmarks/data_sources.py
+	python benchmarks/image_folder.py
+
+## make gpu-kit: fill .gpu-kit/ (ignored by git) with what a GPU machine without a network lacks:
+## Horovod's source, a few wheels and hvdtrain's own; there launch/gpu-check.sh OUT_DIR uses it.
+gpu-kit:
+	bash launch/gpu-kit.sh
 
 clean:
 	rm -rf runs .pytest_cache

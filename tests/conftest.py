@@ -1,8 +1,9 @@
-"""Shared helpers: running hvdtrain under real launchers on the CPU."""
+"""Shared helpers: running hvdtrain under real launchers on the CPU, and reading what its runs wrote."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import container_image
+import file_order
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -46,25 +48,70 @@ def launch_env(pythonpath: str | None = None) -> dict[str, str]:
     return env
 
 
-def run(command: list[str], *, timeout: float = 180, cwd: Path | None = None,
-        pythonpath: str | None = None) -> subprocess.CompletedProcess:
-    """Runs a command to completion; a hang fails the test instead of blocking it."""
-    return subprocess.run(command, env=launch_env(pythonpath), cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+def run(command: list[str], *, timeout: float = 180, cwd: Path | None = None, pythonpath: str | None = None,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Runs a command to completion, `env` added to the launch environment; a hang fails the test
+    instead of blocking it."""
+    return subprocess.run(command, env={**launch_env(pythonpath), **(env or {})}, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
 
 
-def fit_under(launcher: str | None, *args: str, timeout: float = 180, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def fit_under(launcher: str | None, *args: str, timeout: float = 180, cwd: Path | None = None,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`hvdtrain fit --progress off *args` under the launcher (None: one process, no launcher); `env`
+    reaches every rank (mpirun is told each name with -x, as it must be on several hosts)."""
     prefix = LAUNCHERS[launcher] if launcher else []
-    return run([*prefix, "hvdtrain", "fit", "--progress", "off", *args], timeout=timeout, cwd=cwd)
+    if env and launcher == "mpirun":
+        prefix = [*prefix, *(arg for name in env for arg in ("-x", name))]
+    return run([*prefix, "hvdtrain", "fit", "--progress", "off", *args], timeout=timeout, cwd=cwd, env=env)
+
+
+def assert_ok(done: subprocess.CompletedProcess, tail: int = 3000) -> subprocess.CompletedProcess:
+    """`done`, once it is known to have exited 0; else the test fails with the ends of its output."""
+    assert done.returncode == 0, f"exit {done.returncode}\n{(done.stdout or '')[-tail:]}\n{(done.stderr or '')[-tail:]}"
+    return done
+
+
+def fit_ok(launcher: str | None, *args: str, **options) -> subprocess.CompletedProcess:
+    """`fit_under` that must succeed."""
+    return assert_ok(fit_under(launcher, *args, **options))
+
+
+def epoch_records(run_dir: Path) -> list[dict]:
+    """The epoch records of a run's metrics.jsonl, read by the project's own reader; a line that is not a
+    whole record fails the test (a resume would drop it)."""
+    from hvdtrain.io.run_dir import read_metrics
+
+    path = run_dir / "metrics.jsonl"
+    assert path.is_file(), f"{path} is missing"
+    return read_metrics(path, warn=pytest.fail)
+
+
+def fit_here(run_dir: Path, *args: str) -> dict:
+    """`hvdtrain fit` on the local engine in this process, no launcher: the run's summary."""
+    from hvdtrain.cli import main
+
+    main(["fit", "--progress", "off", "--engine", "local", "--run-dir", str(run_dir), *args])
+    return run_summary(run_dir)
+
+
+def run_summary(run_dir: Path) -> dict:
+    """The run's summary.json, which fit writes once it ends."""
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the kernel's pick; another process may take it later)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
 def digits_torchrun(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """The same digits run as `digits_np2`, under `torchrun --nproc-per-node 2` (the torch engine)."""
     run_dir = tmp_path_factory.mktemp("digits-torchrun") / "run"
-    done = run([*LAUNCHERS["torchrun"], "hvdtrain", "fit", "--progress", "off", "--epochs", "3",
-                "--run-dir", str(run_dir), "--log-every", "4"], cwd=run_dir.parent)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = fit_ok("torchrun", "--epochs", "3", "--run-dir", str(run_dir), "--log-every", "4", cwd=run_dir.parent)
     return run_dir, done
 
 
@@ -73,9 +120,8 @@ def digits_np2(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """One digits run of 3 epochs under plain `horovodrun -np 2` (MPI controller), with step logging
     and Horovod's timeline, shared by the tests of fit's launch and of what comes after fit."""
     run_dir = tmp_path_factory.mktemp("digits-np2") / "run"
-    done = run(["horovodrun", "-np", "2", "hvdtrain", "fit", "--progress", "off", "--epochs", "3",
-                "--run-dir", str(run_dir), "--log-every", "4", "--horovod-timeline"], cwd=run_dir.parent)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = assert_ok(run(["horovodrun", "-np", "2", "hvdtrain", "fit", "--progress", "off", "--epochs", "3",
+                          "--run-dir", str(run_dir), "--log-every", "4", "--horovod-timeline"], cwd=run_dir.parent))
     return run_dir, done
 
 
@@ -104,9 +150,7 @@ def sshd(hosts: tuple[str, ...], keys: Path) -> Iterator[tuple[int, Path]]:
     for name in ("client", "host"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)], check=True)
     shutil.copy(keys / "client.pub", keys / "authorized_keys")
-    with socket.socket() as probe:
-        probe.bind((hosts[0], 0))
-        port = probe.getsockname()[1]
+    port = free_port(hosts[0])
     config = keys / "sshd_config"
     config.write_text("\n".join([
         f"Port {port}", *(f"ListenAddress {host}" for host in hosts), f"HostKey {keys / 'host'}",
@@ -174,20 +218,22 @@ def shared_build(config) -> "container_image.Build | None":
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run where a GPU is visible and are skipped elsewhere (CI has none). The container
-    image's build starts now, in the background (under xdist, the controller's already has), and its
-    tests run last: the build waits on downloads and disks far more than on the CPU, so it costs
-    little beside the other tests."""
+    """GPU tests run where a GPU is visible and are skipped elsewhere (CI has none). Under xdist the
+    files come longest first (tests/file_order.py), the container image's after the long ones: the
+    controller started its build. Otherwise the build starts now, in the background, and its tests
+    run last: the build waits on downloads and disks far more than on the CPU, so it costs little
+    beside the other tests."""
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-    images = [item for item in items if item.path.name == "test_docker.py"]
+    if _is_xdist_worker(config):
+        file_order.longest_first(items)
+        return
+    images = [item for item in items if item.path.name == file_order.IMAGE_TESTS]
     if images and container_image.available() is None and not config.option.collectonly:
         items[:] = [item for item in items if item not in images] + images
-        if _is_xdist_worker(config):
-            return
         build = container_image.Build(ROOT, config._tmp_path_factory.mktemp("containers"))
         config.stash[container_image.BUILD] = build
         config.add_cleanup(build.stop)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Iterator
+
+from conftest import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
@@ -33,12 +34,6 @@ def available() -> str | None:
 
 def _sbin_path() -> str:
     return f"/usr/sbin:/usr/bin:{os.environ.get('PATH', '')}"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _node_line() -> str:
@@ -63,7 +58,7 @@ def write_config(root: Path) -> dict[str, str]:
     key.write_bytes(os.urandom(1024))
     os.chmod(key, 0o400)
     socket_path = root / "munge" / "munge.socket"
-    ctld, slurmd = _free_port(), _free_port()
+    ctld, slurmd = free_port(), free_port()
     (root / "slurm.conf").write_text("\n".join([
         "ClusterName=hvdtrain-test",
         "SlurmctldHost=localhost(127.0.0.1)",

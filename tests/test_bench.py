@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import LAUNCHERS, ROOT, requires_launchers, run
+from conftest import LAUNCHERS, ROOT, assert_ok, requires_launchers, run
 from hvdtrain.tools.bench.allreduce import sizes
 from hvdtrain.tools.bench.stats import mean_ci95
 
@@ -24,7 +24,7 @@ def test_mean_ci95_is_student_s_interval_for_few_repeats():
 
 def test_bench_sampler_reports_both_samplers(tmp_path):
     done = run(["hvdtrain", "bench", "sampler", "--size", "100000", "--world-size", "4", "--json", str(tmp_path / "s.json")])
-    assert done.returncode == 0, done.stderr
+    assert_ok(done)
     assert "hvdtrain.data.sampler.ShardedBatchSampler" in done.stdout and "torch.utils.data.DistributedSampler" in done.stdout
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert [r["sampler"] for r in rows] == ["hvdtrain", "torch"]
@@ -34,7 +34,7 @@ def test_bench_sampler_reports_both_samplers(tmp_path):
 def test_bench_train_alone(tmp_path):
     done = run(["hvdtrain", "bench", "train", "--model", "mlp", "--input-shape", "32", "--batch-size", "16",
                 "--warmup", "1", "--steps", "3", "--repeats", "3", "--json", str(tmp_path / "t.json")])
-    assert done.returncode == 0, done.stderr
+    assert_ok(done)
     result = json.loads((tmp_path / "t.json").read_text())
     assert result["world_size"] == 1 and result["samples_per_s_total"] > 0 and result["ci95"] >= 0
     assert "samples/s (95% CI)" in done.stdout
@@ -47,7 +47,7 @@ def test_bench_data_finds_a_slow_data_set_input_bound_and_more_workers_faster(tm
     the same model is compute-bound."""
     done = run(["hvdtrain", "bench", "data", "--data", "user_code:slow_to_read", "--batch-size", "16",
                 "--workers", "0,2", "--batches", "3", "--steps", "5", "--json", str(tmp_path / "d.json")])
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_ok(done)
     result = json.loads((tmp_path / "d.json").read_text())
     by_workers = {row["workers"]: row["samples_per_s"] for row in result["rows"]}
     assert sorted(by_workers) == [0, 2] and by_workers[0] <= 200 < result["step_samples_per_s"]
@@ -56,7 +56,7 @@ def test_bench_data_finds_a_slow_data_set_input_bound_and_more_workers_faster(tm
     assert done.stdout.splitlines()[-1] == result["verdict"] and "training step:" in done.stdout
     fast = run(["hvdtrain", "bench", "data", "--data", "user_code:blobs", "--batch-size", "16", "--workers", "0",
                 "--batches", "3", "--steps", "5"])
-    assert fast.returncode == 0 and fast.stdout.splitlines()[-1].startswith("compute-bound: data.num_workers=0")
+    assert assert_ok(fast).stdout.splitlines()[-1].startswith("compute-bound: data.num_workers=0")
 
 
 def test_bench_rejects_bad_input():
@@ -70,7 +70,7 @@ def test_bench_rejects_bad_input():
 def test_bench_allreduce_under_horovodrun(tmp_path):
     done = run([*LAUNCHERS["horovodrun-gloo"], "hvdtrain", "bench", "allreduce", "--max-bytes", str(1 << 20),
                 "--json", str(tmp_path / "a.json"), "--plot", str(tmp_path / "a.png")])
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert_ok(done)
     result = json.loads((tmp_path / "a.json").read_text())
     assert result["world_size"] == 2 and [r["bytes"] for r in result["rows"]] == sizes(4 << 10, 1 << 20)
     for row in result["rows"]:  # bus bandwidth = algorithm bandwidth x 2(n-1)/n, n = 2
@@ -90,7 +90,7 @@ def test_bench_train_scaling_under_horovodrun(tmp_path):
     done = run([*LAUNCHERS["horovodrun-gloo"], "hvdtrain", "bench", "train", "--model", "user_code:paced_mlp",
                 "--input-shape", "32", "--batch-size", "16", "--warmup", "1", "--steps", "3", "--repeats", "2",
                 "--scaling", "--json", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png")])
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert_ok(done)
     result = json.loads((tmp_path / "t.json").read_text())
     pace = 16 / 0.05
     assert result["world_size"] == 2
@@ -111,7 +111,7 @@ def test_make_bench_runs_every_contender_and_writes_the_ratios(tmp_path, monkeyp
     monkeypatch.setenv("BENCH_STEPS", "3")  # 3 steps per epoch: the commands, not the speed
     done = run([sys.executable, "benchmarks/run.py", "--repeats", "1", "--epochs", "2", "--jobs", "linear",
                 "--sampler-size", "100000", "--out", str(out)], timeout=540, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert_ok(done)
     result = json.loads(out.read_text())
     assert list(result["samples_per_s"]) == ["linear"]
     assert result["machine"]["controller"] in ("mpi", "gloo")

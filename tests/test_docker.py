@@ -4,7 +4,6 @@ directory on a volume of the host."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import container_image
-from conftest import ROOT, shared_build
+from conftest import ROOT, assert_ok, run_summary, shared_build
 
 why_not = container_image.available()
 pytestmark = [pytest.mark.system, pytest.mark.multiprocess, pytest.mark.timeout(3000),
@@ -45,7 +44,7 @@ def _podman_run(env: dict, runs: Path, *command: str, timeout: float = 600) -> s
 def test_the_image_s_doctor_finds_nothing_wrong(image):
     env, root = image
     done = _podman_run(env, root, "hvdtrain", "doctor")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert_ok(done)
     assert "horovod 0.28.1: controllers mpi, gloo" in done.stdout and "ok: ready to launch" in done.stdout
 
 
@@ -55,8 +54,8 @@ def test_fit_on_two_processes_in_the_container_writes_to_the_host(image, launche
     tmp_path.chmod(0o777)
     done = _podman_run(env, tmp_path, *launcher, "hvdtrain", "fit", "--epochs", "2", "--progress", "off",
                        "--run-dir", "/runs/run")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert_ok(done)
+    summary = run_summary(tmp_path / "run")
     assert summary["world_size"] == 2 and summary["controller"] == "mpi" and summary["val_acc"] > 0.85
     assert (tmp_path / "run" / "checkpoints" / "best.pt").is_file()
 
@@ -92,11 +91,11 @@ def test_horovodrun_across_two_containers_over_ssh(image, tmp_path):
         done = subprocess.run(["podman", "exec", f"{network}-w1", "horovodrun", "-np", "2", "-H", "w1:1,w2:1", "-p",
                                "2222", "hvdtrain", "fit", "--epochs", "2", "--progress", "off", "--run-dir",
                                "/runs/run"], env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert_ok(done)
         # One process per container: each is local rank 0 of 1 on its own host.
         assert "rank 0/2 local_rank 0/1" in done.stdout + done.stderr
         assert "rank 1/2 local_rank 0/1" in done.stdout + done.stderr
-        assert json.loads((runs / "run" / "summary.json").read_text())["world_size"] == 2
+        assert run_summary(runs / "run")["world_size"] == 2
     finally:
         subprocess.run(["podman", "rm", "-f", *(f"{network}-{w}" for w in workers)], env=env, capture_output=True)
         subprocess.run(["podman", "network", "rm", network], env=env, capture_output=True)

@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from conftest import LAUNCHERS, launch_env, requires_launchers, run
+from conftest import LAUNCHERS, assert_ok, launch_env, requires_launchers, run
 from hvdtrain.tools.doctor import problems, report
 
 
 @requires_launchers
 def test_doctor_alone_finds_this_build(tmp_path):
     done = run(["hvdtrain", "doctor", "--np", "2", "--json", str(tmp_path / "d.json")])
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_ok(done)
     [facts] = json.loads((tmp_path / "d.json").read_text())
     assert facts["horovod"]["version"] == "0.28.1"
     assert set(facts["horovod"]["controllers"]) == {"mpi", "gloo"}
@@ -32,7 +32,7 @@ def test_doctor_alone_finds_this_build(tmp_path):
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
 def test_doctor_reports_per_rank_under_a_launcher(launcher, tmp_path):
     done = run([*LAUNCHERS[launcher], "hvdtrain", "doctor", "--json", str(tmp_path / "d.json")])
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_ok(done)
     reports = json.loads((tmp_path / "d.json").read_text())
     assert [r["rank"] for r in reports] == [0, 1] and {r["local_size"] for r in reports} == {2}
     engine = "torch" if launcher == "torchrun" else "horovod"
@@ -61,7 +61,7 @@ def test_doctor_is_content_with_the_torch_engine_alone(tmp_path):
     env = {**launch_env(), "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
     doctor = [sys.executable, "-m", "hvdtrain", "doctor"]
     done = subprocess.run(doctor, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_ok(done)
     assert "engine horovod: not ready: horovodrun is not on PATH" in done.stdout and "engine torch: ready" in done.stdout
     asked = subprocess.run([*doctor, "--engine", "horovod"], env=env, capture_output=True, text=True)
     assert asked.returncode == 1 and "PROBLEM: horovodrun is not on PATH" in asked.stdout

@@ -8,7 +8,6 @@ hostfile that the test edits while the job runs.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, fit_under, launch_env, requires_launchers, requires_sshd, sshd
+from conftest import ROOT, epoch_records, fit_under, launch_env, requires_launchers, requires_sshd, run_summary, sshd
 
 HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
 FIRST_HOSTS, LOST_HOST, NEW_HOST = HOSTS[:3], HOSTS[2], HOSTS[3]
@@ -53,8 +52,8 @@ def write_hosts(path: Path, hosts: tuple[str, ...]) -> None:
 
 
 def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The run's epoch records so far (none before its first epoch ends)."""
+    return epoch_records(run_dir) if (run_dir / "metrics.jsonl").exists() else []
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
@@ -129,7 +128,7 @@ def test_a_lost_worker_is_survived_and_a_new_one_joins(ssh_hosts, tmp_path):
     final, reference = disturbed[-1]["val_acc"], calm[-1]["val_acc"]
     print(f"world sizes {sizes}; resumed at sample {resumed_at}; val_acc {final:.4f} against {reference:.4f}")
     assert abs(final - reference) <= 0.01, (final, reference)
-    assert json.loads((run_dir / "summary.json").read_text())["val_acc"] == final
+    assert run_summary(run_dir)["val_acc"] == final
 
 
 def test_a_stream_goes_on_with_the_samples_no_rank_had_served_when_a_worker_is_lost(ssh_hosts, tmp_path):

@@ -2,12 +2,11 @@
 directory, their module on PYTHONPATH, under plain `horovodrun -np 2`."""
 
 import ast
-import json
 import shlex
 
 import pytest
 
-from conftest import ROOT, requires_launchers, run
+from conftest import ROOT, assert_ok, requires_launchers, run, run_summary
 
 pytestmark = [pytest.mark.multiprocess, requires_launchers, pytest.mark.timeout(300)]
 
@@ -40,8 +39,8 @@ def test_each_example_trains_to_its_stated_quality(example, tmp_path):
     command = [*documented_command(example), "--progress", "off", "--run-dir", str(tmp_path / "run")]
     # From a directory of the user's own, with only their modules on PYTHONPATH.
     done = run(command, cwd=tmp_path, timeout=240, pythonpath=str(ROOT / "examples"))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert_ok(done)
+    summary = run_summary(tmp_path / "run")
     print(f"{example}: {key} {summary[key]:.4f} (world size {summary['world_size']})")
     assert summary["world_size"] == 2
     assert summary[key] >= bound if relation == ">=" else summary[key] <= bound, summary

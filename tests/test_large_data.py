@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import LAUNCHERS, assert_same_weights, final_weights, launch_env, requires_launchers, run
+from conftest import (assert_ok, assert_same_weights, epoch_records, final_weights, fit_under, requires_launchers,
+                      run, run_summary)
 from hvdtrain.config import DataConfig
 from hvdtrain.data import mapped
 from hvdtrain.data.sources import build_data, build_part
@@ -256,14 +257,14 @@ def test_fit_evaluate_and_predict_take_an_npy_directory_and_a_token_file_gets_th
     directory = write_arrays(tmp_path / "arrays")
     done = run(["hvdtrain", "fit", "--data", str(directory), "--epochs", "2", "--progress", "off",
                 "--run-dir", str(tmp_path / "run")])
-    assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert_ok(done)
+    record = epoch_records(tmp_path / "run")[-1]
     evaluated = run(["hvdtrain", "evaluate", str(tmp_path / "run"), "--checkpoint", "last",
                      "--output", str(tmp_path / "eval.json")])
-    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert_ok(evaluated)
     assert json.loads((tmp_path / "eval.json").read_text())["loss"] == pytest.approx(record["val_loss"])
     predicted = run(["hvdtrain", "predict", str(tmp_path / "run"), "--split", "all", "--output", str(tmp_path / "p.npy")])
-    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    assert_ok(predicted)
     assert np.load(tmp_path / "p.npy").shape == (1200,)
     tokens = write_tokens(tmp_path / "corpus.bin", tokens=2000)
     for args, message in (([], "is a token file, windows of token ids for --task language-model, not "
@@ -286,12 +287,9 @@ SOURCES = {  # source -> (launcher of the 2-rank run, arguments beyond the data)
 
 
 def _fit(launcher: str | None, data: Path, run_dir: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    prefix = list(LAUNCHERS[launcher]) if launcher else []
-    return subprocess.run([*prefix, "hvdtrain", "fit", "--data", str(data), "--epochs", "2", "--threads", "1",
-                           "--progress", "off", "--set", "run.stop_check_seconds=0", "--set", "optim.lr_batch=64", *args,
-                           "--run-dir", str(run_dir)],
-                          env={**launch_env(), "HVDTRAIN_TEST_DROPOUT": "0", **env}, capture_output=True, text=True,
-                          timeout=240)
+    return fit_under(launcher, "--data", str(data), "--epochs", "2", "--threads", "1",
+                     "--set", "run.stop_check_seconds=0", "--set", "optim.lr_batch=64", *args, "--run-dir", str(run_dir),
+                     env={"HVDTRAIN_TEST_DROPOUT": "0", **env}, timeout=240)
 
 
 @pytest.mark.multiprocess
@@ -308,17 +306,17 @@ def test_two_ranks_stopped_inside_an_epoch_and_resumed_end_with_one_process_s_we
             "tokens": lambda: write_tokens(tmp_path / "corpus.bin")}[source]()
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     done = _fit(None, data, whole, *args, "--batch-size", "64")
-    assert done.returncode == 0, done.stderr[-3000:]
-    steps = json.loads((whole / "metrics.jsonl").read_text().splitlines()[0])["step"]
+    assert_ok(done)
+    steps = epoch_records(whole)[0]["step"]
     stopped = _fit(launcher, data, cut, *args, "--batch-size", "32",
                    HVDTRAIN_TEST_SIGNAL=f"1:{steps + steps // 2}:SIGTERM")
     assert stopped.returncode == 75, stopped.stderr[-3000:]
     assert "stopped by SIGTERM at epoch 2" in stopped.stdout + stopped.stderr
     resumed = _fit(launcher, data, cut, *args, "--batch-size", "32", "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_ok(resumed)
     assert "samples into epoch 2" in resumed.stdout
     assert_same_weights(final_weights(whole), final_weights(cut), atol=1e-5)
-    summary = json.loads((cut / "summary.json").read_text())
+    summary = run_summary(cut)
     assert summary["world_size"] == 2 and summary["epochs"] == 2
 
 

@@ -5,11 +5,9 @@ port, listening on 127.0.0.2 and 127.0.0.3; horovodrun treats those as two hosts
 starts one rank on each through SSH.
 """
 
-import json
-
 import pytest
 
-from conftest import requires_launchers, requires_sshd, run, sshd
+from conftest import assert_ok, requires_launchers, requires_sshd, run, run_summary, sshd
 
 HOSTS = ("127.0.0.2", "127.0.0.3")
 
@@ -27,8 +25,8 @@ def test_horovodrun_across_two_ssh_hosts(two_ssh_hosts, tmp_path):
     done = run(["horovodrun", "--gloo", "-np", "2", "-H", ",".join(f"{h}:1" for h in HOSTS), "-p", str(port),
                 "-i", str(key), "--start-timeout", "60", "hvdtrain", "fit", "--epochs", "2", "--progress", "off",
                 "--run-dir", str(tmp_path / "run")], timeout=180)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert_ok(done)
     # One rank per host: each is local rank 0 of 1 on its host, in a world of 2.
     assert "rank 0/2 local_rank 0/1" in done.stderr and "rank 1/2 local_rank 0/1" in done.stderr
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = run_summary(tmp_path / "run")
     assert summary["world_size"] == 2 and summary["val_acc"] > 0.85

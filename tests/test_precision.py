@@ -1,13 +1,11 @@
 """Precision modes and device choice: what runs on the CPU here; the GPU parts are marked `gpu`."""
 
-import json
-
 import pytest
 import torch
 from torch import nn
 
-from conftest import LAUNCHERS, assert_same_weights, final_weights, requires_launchers, run
-from hvdtrain.cli import main
+from conftest import (LAUNCHERS, assert_ok, assert_same_weights, final_weights, fit_here, requires_launchers, run,
+                      run_summary)
 from hvdtrain.config import Config
 from hvdtrain.engine import LocalEngine, _pick_device
 from hvdtrain.errors import UserError
@@ -18,9 +16,8 @@ CPU = torch.device("cpu")
 
 
 def _fit(tmp_path, *args):
-    main(["fit", "--data", "random", "--set", "data.samples=512", "--set", "data.features=16", "--epochs", "3",
-          "--progress", "off", "--engine", "local", "--device", "cpu", "--run-dir", str(tmp_path), *args])
-    return json.loads((tmp_path / "summary.json").read_text())
+    return fit_here(tmp_path, "--data", "random", "--set", "data.samples=512", "--set", "data.features=16",
+                    "--epochs", "3", "--device", "cpu", *args)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
@@ -92,17 +89,17 @@ def test_more_local_processes_than_gpus_is_a_clear_error(monkeypatch):
 def test_fp16_under_horovodrun(tmp_path):
     done = run([*LAUNCHERS["horovodrun-gloo"], "hvdtrain", "fit", "--precision", "fp16", "--epochs", "3",
                 "--progress", "off", "--run-dir", str(tmp_path / "r")])
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads((tmp_path / "r" / "summary.json").read_text())["val_acc"] > 0.9
+    assert_ok(done)
+    assert run_summary(tmp_path / "r")["val_acc"] > 0.9
 
 
 @pytest.mark.gpu
 def test_each_process_uses_its_local_gpu(tmp_path):
     done = run(["hvdtrain", "fit", "--device", "cuda", "--precision", "bf16", "--epochs", "2", "--progress", "off",
                 "--run-dir", str(tmp_path / "r")])
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert_ok(done)
     assert "device cuda:0" in done.stderr
-    assert json.loads((tmp_path / "r" / "summary.json").read_text())["device"] == "cuda:0"
+    assert run_summary(tmp_path / "r")["device"] == "cuda:0"
 
 
 @pytest.mark.gpu
@@ -113,6 +110,5 @@ def test_gpu_precisions_train(mode, tmp_path):
 
 
 def _gpu_fit(tmp_path, mode):
-    main(["fit", "--device", "cuda", "--precision", mode, "--model", "cnn", "--channels-last", "--epochs", "5",
-          "--progress", "off", "--engine", "local", "--run-dir", str(tmp_path)])
-    return json.loads((tmp_path / "summary.json").read_text())
+    return fit_here(tmp_path, "--device", "cuda", "--precision", mode, "--model", "cnn", "--channels-last",
+                    "--epochs", "5")

@@ -3,7 +3,6 @@ Debian), 2 tasks through `srun --mpi=pmix`; `scancel` ends every task and `--res
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import slurm_cluster
-from conftest import ROOT, assert_same_weights, final_weights, launch_env
+from conftest import ROOT, assert_ok, assert_same_weights, final_weights, launch_env, run_summary
 
 why_not = slurm_cluster.available()
 pytestmark = [pytest.mark.system, pytest.mark.multiprocess, pytest.mark.timeout(600),
@@ -35,7 +34,7 @@ def _submit(env: dict, root: Path, *args: str, script: Path = ROOT / "launch" / 
     """sbatch `script` with `args` (after --progress off); `options` go to sbatch itself."""
     done = subprocess.run(["sbatch", "--parsable", *CPU_JOB, *options, f"--output={root}/job-%j.log", str(script),
                            "--progress", "off", *args], env=env, cwd=root, capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0, done.stderr
+    assert_ok(done)
     return done.stdout.strip().split(";")[0]
 
 
@@ -76,7 +75,7 @@ def _assert_weights_of_a_run_never_stopped(env: dict, args: list[str], run_dir: 
     done = subprocess.run(["mpirun", "-np", "2", "--oversubscribe", "hvdtrain", "fit", "--progress", "off", *args,
                            "--threads", "1", "--run-dir", str(reference)], env=env, capture_output=True, text=True,
                           timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_ok(done)
     assert_same_weights(final_weights(reference), final_weights(run_dir), atol=1e-6)
 
 
@@ -102,7 +101,7 @@ def test_sbatch_runs_two_ranks_through_srun(cluster):
     log = (root / f"job-{job}.log").read_text()
     assert "hvdtrain: rank 0/2 local_rank 0/2" in log and "hvdtrain: rank 1/2 local_rank 1/2" in log
     assert log.count("epoch 2/2") == 1  # rank 0 alone prints
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = run_summary(run_dir)
     assert summary["world_size"] == 2 and summary["controller"] == "mpi" and summary["val_acc"] > 0.85
 
 
@@ -114,7 +113,7 @@ def test_sbatch_runs_the_torch_engine_through_srun(cluster):
     assert _wait(env, job) == "COMPLETED", (root / f"job-{job}.log").read_text()[-3000:]
     log = (root / f"job-{job}.log").read_text()
     assert "hvdtrain: rank 0/2 local_rank 0/2" in log and "hvdtrain: rank 1/2 local_rank 1/2" in log
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = run_summary(run_dir)
     assert summary["world_size"] == 2 and summary["engine"] == "torch" and summary["controller"] == "gloo"
 
 
@@ -133,7 +132,7 @@ def test_plain_srun_without_an_mpi_plugin_is_one_run_of_two_tasks(cluster):
     assert "hvdtrain: rank 0/2 local_rank 0/2" in log and "hvdtrain: rank 1/2 local_rank 1/2" in log, \
         (root / f"job-{job}.log").read_text()[-3000:]
     assert log.count("epoch 2/2") == 1  # rank 0 alone prints
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = run_summary(run_dir)
     assert summary["world_size"] == 2 and summary["engine"] == "torch" and summary["controller"] == "gloo"
     errors = [line for line in log.splitlines() if "hvdtrain: error:" in line]
     assert len(errors) == 1 and "srun started 2 tasks without an MPI plugin" in errors[0], log[-3000:]
@@ -168,7 +167,7 @@ def test_two_steps_of_one_job_at_once_on_one_node_each_train_with_the_torch_engi
     log = (root / f"job-{job}.log").read_text()
     assert state == "COMPLETED" and "steps exited 0 0" in log, log[-3000:]
     for step in ("a", "b"):
-        assert json.loads((root / f"step-{step}" / "summary.json").read_text())["world_size"] == 2
+        assert run_summary(root / f"step-{step}")["world_size"] == 2
 
 
 def test_scancel_ends_every_task_and_resume_finishes(cluster):
@@ -194,7 +193,7 @@ def test_scancel_ends_every_task_and_resume_finishes(cluster):
     assert _wait(env, again) == "COMPLETED", (root / f"job-{again}.log").read_text()[-3000:]
     log = (root / f"job-{again}.log").read_text()
     assert "resuming from" in log and "epoch 6/6" in log
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = run_summary(run_dir)
     assert summary["world_size"] == 2 and summary["epochs"] == 6 and summary["resumed_from_epoch"] >= 1
 
 

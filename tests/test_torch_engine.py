@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, launch_env
+from conftest import ROOT, assert_ok, launch_env
 from hvdtrain.engine.torch_distributed import FIRST_BUCKET_BYTES, _buckets, launcher_facts
 
 SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "2(x2),1"}
@@ -90,7 +90,7 @@ def test_install_for_the_torch_engine_alone_trains_under_torchrun(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "launch" / "install.sh"), "--engine", "torch", "--venv", str(venv)],
                           env=env, capture_output=True, text=True, timeout=540)
     seconds = time.monotonic() - started
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert_ok(done)
     assert "torch.distributed engine only (no Horovod)" in done.stdout and "building Horovod" not in done.stdout
     python = str(venv / "bin" / "python")
     absent = subprocess.run([python, "-c", "import horovod"], capture_output=True, text=True)
@@ -99,6 +99,6 @@ def test_install_for_the_torch_engine_alone_trains_under_torchrun(tmp_path):
     fit = subprocess.run([str(venv / "bin" / "torchrun"), "--nproc-per-node", "2", "hvdtrain", "fit", "--epochs", "1",
                           "--progress", "off", "--run-dir", str(tmp_path / "run")],
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
-    assert fit.returncode == 0, fit.stdout[-2000:] + fit.stderr[-3000:]
+    assert_ok(fit)
     assert "controller gloo" in fit.stderr and (tmp_path / "run" / "summary.json").exists()
     print(f"install.sh --engine torch: {seconds:.0f} s")
