@@ -20,8 +20,10 @@ from hvdtrain.train.callbacks import StoppedEarly
 
 # dist: how long a rank whose collective broke off waits for the launcher to end it. The failed rank's
 # exit then comes first, and Open MPI's mpirun names the first rank to exit; hvdtrain's horovodrun and
-# torchrun end the others as soon as it has, so the wait costs nothing where a rank did fail.
-SURVIVOR_WAIT_SECONDS = 10.0
+# torchrun end the others as soon as it has, so the wait costs nothing where a rank did fail. Under their
+# 5 s from SIGTERM to SIGKILL: a launcher's SIGTERM that came while this rank was still in the collective
+# (noted as a stop signal, not ending the wait) must not let SIGKILL name the survivor as the failure.
+SURVIVOR_WAIT_SECONDS = 3.0
 # A launcher's end for the ranks still running once one failed (Open MPI, torchrun, horovodrun).
 _LAUNCHER_STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 

@@ -15,14 +15,15 @@ from typing import Any
 import torch
 
 from hvdtrain.config import Config
+from hvdtrain.data.augment import on_device
 from hvdtrain.engine import Engine
+from hvdtrain.errors import UserError
 from hvdtrain.io.checkpoint import Start
 from hvdtrain.io.run_dir import prepare_run_dir
 from hvdtrain.train.callbacks import Callbacks, StoppedEarly
 from hvdtrain.train.checkpointer import Checkpointer, restore
 from hvdtrain.train.failures import located
 from hvdtrain.train.loggers import Loggers
-from hvdtrain.data.augment import on_device
 from hvdtrain.train.loop import EpochResult, EpochSums, EvalResult, Training, evaluate, train_epoch
 from hvdtrain.train.random_state import seed_epoch, set_rng_state
 from hvdtrain.train.running_stats import share_running_stats
@@ -230,11 +231,16 @@ class Trainer:
         why and where."""
         summary = summarize(self.config, self.engine, self.run.task.name, self.best, self.totals, stopped)
         loggers = self.loggers
-        if self.engine.is_root and loggers is not None:  # dist: rank 0 reads and writes the run's files
-            key = self.best[0]
-            best = loggers.best_record(*self.best) or {}  # over every epoch recorded, a resumed run's too
-            summary.update(best_value=best.get(key), best_epoch=best.get("epoch"))
-            loggers.write_summary(summary)
-            loggers.close()
-            say_how_it_ended(summary, self.totals.record or {}, best, stopped, self.run_dir)  # type: ignore[arg-type]
+        with self.engine.agree("summary"):  # dist: a failed write on rank 0 ends every rank with its line
+            if self.engine.is_root and loggers is not None:  # dist: rank 0 reads and writes the run's files
+                key = self.best[0]
+                best = loggers.best_record(*self.best) or {}  # over every epoch recorded, a resumed run's too
+                summary.update(best_value=best.get(key), best_epoch=best.get("epoch"))
+                try:
+                    loggers.write_summary(summary)
+                except OSError as err:
+                    raise UserError(f"could not write {self.run_dir}/summary.json: {err.strerror or err}; the "
+                                    "checkpoints are intact: free space, then run `hvdtrain evaluate` on them") from err
+                loggers.close()
+                say_how_it_ended(summary, self.totals.record or {}, best, stopped, self.run_dir)  # type: ignore[arg-type]
         return self.engine.broadcast_object(summary, "summary")  # dist: rank 0's, best_* included, on every rank
