@@ -22,6 +22,7 @@ SECONDS = {
     "test_streams.py": 80,
     "test_bench.py": 60,
     "test_torch_engine.py": 50,
+    "test_sharded_optimizer.py": 80,
     "test_examples.py": 40,
 }
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import ROOT, assert_ok, launch_env
-from hvdtrain.engine.torch_distributed import FIRST_BUCKET_BYTES, _buckets, launcher_facts
+from hvdtrain.engine.buckets import FIRST_BUCKET_BYTES, buckets as _buckets
+from hvdtrain.engine.torch_distributed import launcher_facts
 
 SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "2(x2),1"}
 

@@ -67,6 +67,8 @@ FIT = (
     FitSetting("accumulate", "train.accumulate", "Backward passes per optimizer step."),
     FitSetting("compression", "train.compression", "Gradient compression for the allreduce."),
     FitSetting("adasum", "train.adasum", "Adasum instead of averaging (MPI controller)."),
+    FitSetting("shard_optimizer", "train.shard_optimizer",
+               "Each rank keeps the optimizer state of 1/N of the parameters (reduce-scatter, all-gather)."),
     FitSetting("seed", "train.seed"),
     FitSetting("device", "train.device"),
     FitSetting("threads", "train.threads", "Torch threads per process (0: cores / local processes)."),

@@ -30,6 +30,9 @@ class TrainConfig:
     """dist: compress gradients to fp16 for the allreduce."""
     adasum: bool = False
     """dist: combine gradients with Adasum instead of averaging (needs the MPI controller)."""
+    shard_optimizer: bool = False
+    """dist: each rank keeps the optimizer state (and, after each step's reduce-scatter, the gradients)
+    of a 1/N share of the parameters; updated parameters are all-gathered (README, Sharded optimizer state)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """dist: `auto` uses cuda:<local rank> (among the visible GPUs) when there are GPUs, else the CPU."""
     precision: Literal["32", "bf16", "fp16"] = "32"
@@ -161,6 +164,13 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
+        if self.train.shard_optimizer:
+            require(not self.train.adasum, "train.shard_optimizer",
+                    "does not work with train.adasum: Adasum combines whole parameter updates, not a share of "
+                    "the gradients; drop one of --shard-optimizer and --adasum")
+            require(not self.train.elastic, "train.shard_optimizer",
+                    "does not work with train.elastic yet: a change of processes would need the shares dealt out "
+                    "again; drop --elastic, or --shard-optimizer")
         if self.train.adasum:
             # Horovod's Adasum optimizer steps each rank's optimizer inside backward and combines
             # the updates in step(): there is no moment at which gradients could be unscaled,

@@ -1,8 +1,10 @@
 """The distributed engines: choosing and starting one, and the rank facts known before it starts.
 
 `base` is the interface the loop speaks to; `local`, `horovod` (the only importer of horovod.torch) and
-`torch_distributed` (the only one to set up a process group) implement it; `environment` reads the
-launchers' variables, `watchdog` names stalled ranks. Imports only `errors` of hvdtrain.
+`torch_distributed` (the only one to set up a process group) implement it, the last two over
+`watched` (collectives the stall watchdog can name); `buckets` combines gradients while backward runs,
+`sharded` shards the optimizer state; `environment` reads the launchers' variables, `watchdog` names
+stalled ranks. Imports only `errors` of hvdtrain.
 """
 
 from __future__ import annotations

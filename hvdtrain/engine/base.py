@@ -3,8 +3,7 @@
 The loop, the trainer and the metrics speak only to an `Engine`. `HorovodEngine` is
 the one module that imports `horovod.torch`; `LocalEngine` is one process whose
 collectives are identities, so everything above runs and is tested without Horovod.
-`WatchedEngine` is what the engines of several processes share: each collective tells
-the stall watchdog what it waits in.
+`engine.watched.WatchedEngine` is what the engines of several processes share.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import torch
 
-from hvdtrain.engine.watchdog import Activity, StallWatchdog
+from hvdtrain.engine.sharded import ShardedGradients
 from hvdtrain.errors import UserError, note_where_the_job_stood, where_the_job_stood
 
 T = TypeVar("T")
@@ -33,6 +32,9 @@ class GradientSync:
     """`none` or `fp16`."""
     adasum: bool = False
     """Adasum instead of averaging."""
+    shard: bool = False
+    """Optimizer state sharded across ranks (`hvdtrain.engine.sharded`): gradients reduce-scattered,
+    each rank steps its share, parameters all-gathered."""
 
 
 class Engine(ABC):
@@ -45,6 +47,8 @@ class Engine(ABC):
     device: torch.device
     name: str  # "horovod", "torch" or "local"
     controller: str  # "gloo", "mpi", "nccl" or "local"
+    gradient_shards: ShardedGradients | None = None
+    """Set when the optimizer state is sharded: each rank's gradients are its share's only."""
 
     @property
     def is_root(self) -> bool:
@@ -104,6 +108,11 @@ class Engine(ABC):
         """Element-wise sum over ranks (metrics: sums and counts, so means are exact)."""
 
     @abstractmethod
+    def send_to_root(self, obj: Any, sender: int, name: str) -> Any:
+        """Rank `sender`'s picklable object, on rank 0 (None elsewhere); every rank calls it. One rank's
+        at a time, so rank 0 can write each before it takes the next (a sharded optimizer's checkpoint)."""
+
+    @abstractmethod
     def barrier(self) -> None:
         """Returns once every rank has arrived."""
 
@@ -112,15 +121,27 @@ class Engine(ABC):
         """Releases the engine; collectives are invalid afterwards. `finished`: every rank got here
         after its work succeeded (so a last collective may still be run), not on the way out of a failure."""
 
-    def broadcast_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Copies rank 0's optimizer state (as after a resume) to every rank."""
+    def broadcast_optimizer_state(self, optimizer: torch.optim.Optimizer,
+                                  state: dict[str, Any] | None = None) -> None:
+        """Copies rank 0's optimizer state (as after a resume; `state`: the whole of it, where rank 0's
+        optimizer holds only its share) to every rank; with sharding each keeps its share only."""
         if self.size == 1:
             return
+        if self.is_root and state is None:
+            state = optimizer.state_dict()
         # dist: sent from the host: pickled CUDA tensors would be unpickled onto cuda:0 on every rank (a
         # context and a copy there per rank); load_state_dict moves them to each rank's own device.
-        state = self.broadcast_object(_on_cpu(optimizer.state_dict()) if self.is_root else None, "optimizer_state")
+        state = self.broadcast_object(on_cpu(state) if self.is_root else None, "optimizer_state")
         if not self.is_root:
-            optimizer.load_state_dict(state)
+            optimizer.load_state_dict(self.own_share(optimizer, state))
+
+    def own_share(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        """An optimizer state dict as this rank's optimizer keeps it: all of it, or its share when sharded."""
+        return state if self.gradient_shards is None else self.gradient_shards.owned_state(optimizer, state)
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank."""
+        return bool(self.allreduce_sum(torch.tensor([float(flag)]), "any_rank")[0] > 0) if self.size > 1 else flag
 
     @contextlib.contextmanager
     def agree(self, phase: str) -> Iterator[None]:
@@ -186,93 +207,6 @@ class Engine(ABC):
         raise NotImplementedError
 
 
-class WatchedEngine(Engine):
-    """An engine of several processes whose every collective records in `activity` what it waits in,
-    so that the stall watchdog can name the ranks missing from it. Subclasses implement the
-    collectives as the `_`-prefixed methods; each is wrapped here, once for every engine."""
-
-    activity: Activity
-    _watchdog: StallWatchdog | None = None
-
-    def at(self, where: str) -> None:
-        self.activity.at(where)
-
-    @contextlib.contextmanager
-    def _collective(self, name: str) -> Iterator[None]:
-        """Waits in collective `name`; where it broke off (another rank failed or left) goes with its error."""
-        with self.activity.waiting(name):
-            try:
-                yield
-            except Exception as err:
-                if self.is_engine_signal(err):
-                    note_where_the_job_stood(err, self.activity.where, first=True)
-                raise
-
-    def synchronize(self, optimizer: torch.optim.Optimizer) -> bool:
-        if self._updates_in_step():
-            return False
-        with self._collective("the gradient allreduce"):
-            self._synchronize(optimizer)
-        return True
-
-    def _updates_in_step(self) -> bool:
-        """Whether the optimizer combines parameter updates inside `step` (Adasum): no gradient allreduce."""
-        return False
-
-    def broadcast_parameters(self, model: torch.nn.Module) -> None:
-        with self._collective("broadcast of the parameters"):
-            self._broadcast_parameters(model)
-
-    def broadcast_object(self, obj: Any, name: str) -> Any:
-        with self._collective(f"broadcast '{name}'"):
-            return self._broadcast_object(obj, name)
-
-    def allgather_object(self, obj: Any, name: str) -> list[Any]:
-        with self._collective(f"allgather '{name}'"):
-            return self._allgather_object(obj, name)
-
-    def gather_object(self, obj: Any, name: str) -> list[Any] | None:
-        with self._collective(f"gather '{name}'"):
-            return self._gather_object(obj, name)
-
-    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        with self._collective(f"allreduce '{name}'"):
-            return self._allreduce_sum(tensor, name)
-
-    def barrier(self) -> None:
-        with self._collective("barrier"):
-            self._barrier()
-
-    def shutdown(self, finished: bool = False) -> None:
-        if self._watchdog is not None:
-            self._watchdog.stop()  # and joined: its thread must not be inside the engine's calls at exit
-        self._shutdown(finished)
-
-    @abstractmethod
-    def _synchronize(self, optimizer: torch.optim.Optimizer) -> None: ...
-
-    @abstractmethod
-    def _broadcast_parameters(self, model: torch.nn.Module) -> None: ...
-
-    @abstractmethod
-    def _broadcast_object(self, obj: Any, name: str) -> Any: ...
-
-    @abstractmethod
-    def _allgather_object(self, obj: Any, name: str) -> list[Any]: ...
-
-    @abstractmethod
-    def _gather_object(self, obj: Any, name: str) -> list[Any] | None: ...
-
-    @abstractmethod
-    def _allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor: ...
-
-    @abstractmethod
-    def _barrier(self) -> None: ...
-
-    @abstractmethod
-    def _shutdown(self, finished: bool) -> None: ...
-
-
 class ElasticState(Protocol):
     """Model, optimizer and named values, kept in memory at each `commit`."""
 
@@ -290,14 +224,14 @@ class RankFailed(Exception):
         self.rank, self.kind, self.message = rank, kind, message
 
 
-def _on_cpu(value: Any) -> Any:
+def on_cpu(value: Any) -> Any:
     """`value` (a state dict: dicts, lists, tensors) with every tensor copied to the host."""
     if isinstance(value, torch.Tensor):
         return value.cpu()
     if isinstance(value, dict):
-        return {key: _on_cpu(item) for key, item in value.items()}
+        return {key: on_cpu(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_on_cpu(item) for item in value)
+        return type(value)(on_cpu(item) for item in value)
     return value
 
 

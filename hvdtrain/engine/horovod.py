@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 import torch
 
-from hvdtrain.engine.base import ElasticState, GradientSync, T, WatchedEngine
+from hvdtrain.engine.base import ElasticState, GradientSync, T
+from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.errors import UserError
 from hvdtrain.engine.watchdog import Activity, KeyValueBoard, StallWatchdog
 
@@ -98,7 +99,7 @@ class HorovodEngine(WatchedEngine):
                                              rank=hvd.rank, size=hvd.size).start()
         return engine
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                        sync: GradientSync) -> torch.optim.Optimizer:
         if sync.adasum and not hvd.mpi_enabled():
             raise UserError("train.adasum needs the MPI controller: launch with horovodrun --mpi or mpirun, or drop --adasum")
@@ -133,8 +134,11 @@ class HorovodEngine(WatchedEngine):
     def is_engine_signal(self, err: BaseException) -> bool:
         return is_collective_failure(err) or isinstance(err, HostsUpdatedInterrupt)
 
-    def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
+    def _skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
         return optimizer.skip_synchronize()
+
+    def _shard_collectives(self) -> "_HorovodShards":
+        return _HorovodShards(self)
 
     def _broadcast_parameters(self, model: torch.nn.Module) -> None:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -157,6 +161,11 @@ class HorovodEngine(WatchedEngine):
 
     def _allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return hvd.allreduce(tensor, name=name, op=hvd.Sum)
+
+    def _send_to_root(self, obj: Any, sender: int, name: str) -> Any:
+        # Horovod has no point-to-point send: a broadcast from `sender`, kept by rank 0 only.
+        received = hvd.broadcast_object(obj if self.rank == sender else None, root_rank=sender, name=name)
+        return received if self.is_root else None
 
     def require_elastic(self) -> None:
         if os.environ.get("HOROVOD_ELASTIC") != "1":  # set by horovodrun's elastic driver
@@ -183,6 +192,23 @@ class HorovodEngine(WatchedEngine):
 
     def _shutdown(self, finished: bool) -> None:
         hvd.shutdown()
+
+
+class _HorovodShards:
+    """The sharded optimizer's collectives on Horovod (MPI or Gloo): equal segments, so Horovod's split
+    of the first dimension is the partition's."""
+
+    def __init__(self, engine: HorovodEngine):
+        self.rank, self.size, self.allreduce_sum = engine.rank, engine.size, engine.allreduce_sum
+
+    def reduce_scatter(self, flat: torch.Tensor, name: str) -> Any:
+        return hvd.reducescatter_async(flat, name=name, op=hvd.Sum)
+
+    def all_gather(self, segment: torch.Tensor, name: str) -> Any:
+        return hvd.allgather_async(segment, name=name)
+
+    def wait(self, handle: Any) -> torch.Tensor:
+        return hvd.synchronize(handle)
 
 
 class _ElasticState(ObjectState):

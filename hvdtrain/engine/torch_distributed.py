@@ -22,16 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hvdtrain.engine.base import GradientSync, WatchedEngine
+from hvdtrain.engine.base import GradientSync
+from hvdtrain.engine.watched import WatchedEngine
+from hvdtrain.engine.buckets import BucketHooks, buckets, grads_with_flags, set_gradient
 from hvdtrain.engine.environment import launcher_facts, port_for_job, slurm_first_node
 from hvdtrain.errors import RendezvousFailed, UserError, message_lines
 from hvdtrain.engine.watchdog import Activity, StallWatchdog
-
-# Gradients are reduced in buckets of about this many bytes: one collective per bucket
-# (DDP's sizes: a small first bucket starts communication early in backward).
-FIRST_BUCKET_BYTES = 1 << 20
-BUCKET_BYTES = 25 << 20
-
 
 # What Gloo's TCP transport says when the rank at the other end of a collective has gone.
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "gloo/transport/tcp")
@@ -103,7 +99,7 @@ class TorchEngine(WatchedEngine):
     def is_engine_signal(self, err: BaseException) -> bool:
         return is_collective_failure(err)
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                        sync: GradientSync) -> torch.optim.Optimizer:
         if sync.adasum:
             raise UserError("train.adasum is Horovod's: run under horovodrun or mpirun with --engine horovod, or drop --adasum")
@@ -118,8 +114,11 @@ class TorchEngine(WatchedEngine):
             # loss's bool(), outside any collective the stall watchdog can name. Here it is named.
             torch.cuda.current_stream(self.device).synchronize()
 
-    def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
+    def _skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # `step` never reduces here
+
+    def _shard_collectives(self) -> "_TorchShards":
+        return _TorchShards(self)
 
     def _broadcast_parameters(self, model: torch.nn.Module) -> None:
         for tensor in model.state_dict().values():
@@ -144,6 +143,16 @@ class TorchEngine(WatchedEngine):
         reduced = tensor.detach().to(self._collective_device(), copy=True)
         dist.all_reduce(reduced)
         return reduced.to(tensor.device)
+
+    def _send_to_root(self, obj: Any, sender: int, name: str) -> Any:
+        if sender == 0 or self.rank not in (0, sender):
+            return obj if self.rank == 0 else None
+        holder = [obj]
+        if self.rank == sender:
+            dist.send_object_list(holder, dst=0, device=self._collective_device())
+            return None
+        dist.recv_object_list(holder, src=sender, device=self._collective_device())
+        return holder[0]
 
     def _barrier(self) -> None:
         dist.barrier()
@@ -187,41 +196,38 @@ class _StoreBoard:
             return None
 
 
-class _OverlappedAverage:
-    """Averages gradients over ranks while backward still runs, as DDP and Horovod do.
+class _TorchShards:
+    """The sharded optimizer's collectives on torch.distributed (Gloo or NCCL)."""
 
-    Parameters are grouped into buckets in reverse order (the order backward produces
-    their gradients). When a parameter's gradient is final (after `accumulate` backward
-    passes) a hook marks it; a bucket whose gradients are all final starts one
-    asynchronous allreduce, and buckets start strictly in order, so every rank issues the
-    same collectives in the same order even when a parameter gets no gradient on some rank.
-    `wait` starts whatever is left, waits for all and writes the averages back.
-    """
+    def __init__(self, engine: TorchEngine):
+        self.rank, self.size, self.allreduce_sum = engine.rank, engine.size, engine.allreduce_sum
+
+    def reduce_scatter(self, flat: torch.Tensor, name: str) -> Any:
+        received = flat.new_empty(flat.numel() // self.size)
+        return dist.reduce_scatter_single(received, flat, async_op=True), received
+
+    def all_gather(self, segment: torch.Tensor, name: str) -> Any:
+        gathered = segment.new_empty(segment.numel() * self.size)
+        return dist.all_gather_single(gathered, segment, async_op=True), gathered
+
+    def wait(self, handle: Any) -> torch.Tensor:
+        work, result = handle
+        work.wait()
+        return result
+
+
+class _OverlappedAverage:
+    """Averages gradients over ranks while backward still runs (`buckets.BucketHooks`): one
+    asynchronous allreduce per bucket. `wait` starts whatever is left, waits for all and writes the
+    averages back."""
 
     def __init__(self, params: list[torch.nn.Parameter], size: int, accumulate: int, compression: str):
-        self.size, self.accumulate, self.fp16 = size, accumulate, compression == "fp16"
-        self.buckets = _buckets(list(reversed(params)))
-        self.bucket_of = {param: index for index, bucket in enumerate(self.buckets) for param in bucket}
-        self.passes_left = dict.fromkeys(params, accumulate)
-        self.final = [0] * len(self.buckets)  # gradients final, per bucket
+        self.size, self.fp16 = size, compression == "fp16"
+        self.hooks = BucketHooks(buckets(list(reversed(params))), accumulate, self._start)
         self.started: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # (work, wire, flat) per started bucket
-        for param in params:
-            param.register_post_accumulate_grad_hook(self._on_gradient)
-
-    def _on_gradient(self, param: torch.nn.Parameter) -> None:
-        self.passes_left[param] -= 1
-        if self.passes_left[param] == 0:
-            self.final[self.bucket_of[param]] += 1
-            while len(self.started) < len(self.buckets) and \
-                    self.final[len(self.started)] == len(self.buckets[len(self.started)]):
-                self._start(len(self.started))
 
     def _start(self, index: int) -> None:
-        bucket = self.buckets[index]
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
-        # dist: one flag per parameter rides along, whether this rank computed its gradient: one that
-        # no rank computed keeps none (as with DDP), so momentum and weight decay leave it alone.
-        used = torch.tensor([float(p.grad is not None) for p in bucket], dtype=grads[0].dtype, device=grads[0].device)
+        grads, used = grads_with_flags(self.hooks.buckets[index])
         flat = torch.cat([*grads, used])
         # dist: fp16 on the wire divides before the sum (as DDP does): a sum of gradients each below
         # fp16's limit can overflow where their average would not.
@@ -229,9 +235,8 @@ class _OverlappedAverage:
         self.started.append((dist.all_reduce(wire, async_op=True), wire, flat))  # dist: the sum over ranks
 
     def wait(self) -> None:
-        while len(self.started) < len(self.buckets):  # parameters without a gradient this step
-            self._start(len(self.started))
-        for bucket, (work, wire, flat) in zip(self.buckets, self.started):
+        self.hooks.start_rest()
+        for bucket, (work, wire, flat) in zip(self.hooks.buckets, self.started):
             work.wait()
             if wire is not flat:
                 flat = wire.to(flat.dtype)  # the average already
@@ -240,35 +245,10 @@ class _OverlappedAverage:
             used = flat[len(flat) - len(bucket):].tolist()
             offset = 0
             for param, users in zip(bucket, used):
-                average = flat[offset:offset + param.numel()].view_as(param)
+                set_gradient(param, flat[offset:offset + param.numel()], users)
                 offset += param.numel()
-                if users == 0:  # no rank computed it
-                    param.grad = None
-                elif param.grad is None:
-                    param.grad = average.clone()
-                else:
-                    param.grad.copy_(average)
         self.started.clear()
-        self.final = [0] * len(self.buckets)
-        self.passes_left = dict.fromkeys(self.passes_left, self.accumulate)
-
-
-def _buckets(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
-    """Consecutive parameters of one dtype and device: the first bucket closes after
-    FIRST_BUCKET_BYTES (so communication starts early in backward), the others after
-    BUCKET_BYTES."""
-    buckets: list[list[torch.nn.Parameter]] = []
-    size = 0
-    for param in params:
-        last = buckets[-1] if buckets else None
-        limit = FIRST_BUCKET_BYTES if len(buckets) == 1 else BUCKET_BYTES
-        if last is None or size >= limit or param.dtype != last[0].dtype or param.device != last[0].device:
-            buckets.append([param])
-            size = 0
-        else:
-            last.append(param)
-        size += param.numel() * param.element_size()
-    return buckets
+        self.hooks.reset()
 
 
 def _init_method(one_host: bool) -> str:

@@ -6,9 +6,11 @@ Layout in the run directory:
     checkpoints/epoch-0004-sample-000001280.pt   one written inside epoch 4, 1280 samples into its order
     checkpoints/manifest.json   each kept checkpoint's epoch, position, step, metrics and sha256
     checkpoints/last.pt         the newest, and best.pt the best by the chosen metric (hard links)
+    checkpoints/epoch-0004.pt.rank-1.optim   with a sharded optimizer: rank 1's share of its state
+                                (rank 0's is in the checkpoint itself, which names the others with sha256)
 
-Writes go in an order that a crash at any moment cannot spoil: the checkpoint file
-(temporary name, fsync, rename), then the manifest (the same way), then the links,
+Writes go in an order that a crash at any moment cannot spoil: the optimizer pieces and the
+checkpoint file (each: temporary name, fsync, rename), then the manifest (the same way), then the links,
 then deleting old files. A resume takes the newest checkpoint whose sha256 matches.
 
 What a checkpoint holds is `CheckpointState`; where a resumed run begins, read back from one, is
@@ -31,6 +33,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.io.atomic import atomic_write, fsync_dir
 
 CHECKPOINTS, LAST, BEST, MANIFEST = "checkpoints", "last.pt", "best.pt", "manifest.json"
+PIECE = ".optim"  # epoch-0004.pt.rank-1.optim: rank 1's share of a sharded optimizer's state
 REQUIRED_KEYS = ("model", "optimizer", "epoch", "step")
 NAMED = {"best": BEST, "last": LAST}
 
@@ -58,6 +61,9 @@ class CheckpointState:
     rng: list[dict[str, Any]] | None = None
     """Rank r's random states at index r."""
     stream_plan: dict[str, Any] | None = None
+    optimizer_pieces: list[dict[str, str]] | None = None
+    """A sharded optimizer's: the files holding the other ranks' shares of the optimizer state
+    (`optimizer` holds rank 0's and the groups), each with its sha256."""
 
     def to_dict(self) -> dict[str, Any]:
         state = {"model": self.model, "optimizer": self.optimizer, "epoch": self.epoch, "step": self.step,
@@ -67,6 +73,8 @@ class CheckpointState:
             state.update(position=self.position, sums=self.sums, rng=self.rng)
         if self.stream_plan is not None:
             state.update(stream_plan=self.stream_plan)
+        if self.optimizer_pieces:
+            state.update(optimizer_pieces=self.optimizer_pieces)
         return state
 
 
@@ -110,6 +118,14 @@ def split_adamw_groups(saved: dict[str, Any], dims: list[int]) -> dict[str, Any]
     return {**saved, "param_groups": [g for g in split if g["params"]]}
 
 
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise UserError(f"checkpoint '{path}' cannot be read ({type(err).__name__}: {err}); "
+                        "it may be truncated or from another program") from err
+
+
 def best_entry(entries: list[dict[str, Any]], key: str, maximize: bool) -> dict[str, Any] | None:
     """The entry (epoch record, checkpoint) with the best `key`; ties go to the later one.
     None when no entry has a number for it (NaN does not count)."""
@@ -142,15 +158,28 @@ class CheckpointStore:
         self.best_metric = best_metric
         self.maximize = maximize
 
+    @staticmethod
+    def file_name(epoch: int, position: int) -> str:
+        """The checkpoint after `epoch` whole epochs and `position` samples of the next."""
+        return f"epoch-{epoch + 1:04d}-sample-{position:09d}.pt" if position else f"epoch-{epoch:04d}.pt"
+
+    def save_piece(self, checkpoint: str, rank: int, piece: dict[str, Any]) -> dict[str, str]:
+        """Writes rank `rank`'s share of a sharded optimizer's state, beside checkpoint file `checkpoint`
+        (written before it, so that the checkpoint can name it with its sha256)."""
+        path = self.dir / f"{checkpoint}.rank-{rank}{PIECE}"
+        atomic_write(path, lambda handle: torch.save(piece, handle))
+        return {"file": path.name, "sha256": sha256_of(path)}
+
     def save(self, state: dict[str, Any], epoch: int, metrics: dict[str, float]) -> Path:
         """Writes the checkpoint after `epoch` whole epochs and `state["position"]` samples of the next
         (0: at the end of an epoch) and records it (rank 0 only)."""
         position = int(state.get("position", 0))
-        name = f"epoch-{epoch + 1:04d}-sample-{position:09d}.pt" if position else f"epoch-{epoch:04d}.pt"
-        path = self.dir / name
+        path = self.dir / self.file_name(epoch, position)
         atomic_write(path, lambda handle: torch.save(state, handle))
         entry = {"file": path.name, "epoch": epoch, "position": position, "step": state["step"],
                  "sha256": sha256_of(path), **metrics}
+        if state.get("optimizer_pieces"):
+            entry["pieces"] = state["optimizer_pieces"]
         # Entries past this one are from a run that went further before it was resumed from here: replaced.
         entries = [e for e in self._entries() if _order(e) < _order(entry)] + [entry]
         best = best_entry(entries, self.best_metric, self.maximize) or entries[-1]
@@ -165,6 +194,9 @@ class CheckpointStore:
         keep = {e["file"] for e in kept}
         for old in self.dir.glob("epoch-*.pt"):
             if old.name not in keep:
+                old.unlink(missing_ok=True)
+        for old in self.dir.glob(f"epoch-*{PIECE}"):
+            if old.name.split(".rank-")[0] not in keep:
                 old.unlink(missing_ok=True)
         for stale in self.dir.glob(".*.tmp"):  # left by a crash in an earlier write
             stale.unlink(missing_ok=True)
@@ -185,6 +217,8 @@ class CheckpointStore:
                 elif sha256_of(path) != entry["sha256"]:
                     warn(f"checkpoint {path} is corrupt or truncated (its sha256 does not match {MANIFEST}); "
                          "trying an older one")
+                elif (broken := self._broken_piece(entry.get("pieces", []))) is not None:
+                    warn(f"checkpoint {path}'s optimizer state piece {broken}; trying an older one")
                 else:
                     return path
             return None
@@ -218,17 +252,30 @@ class CheckpointStore:
         except (TypeError, KeyError):
             return None
 
+    def _broken_piece(self, pieces: list[dict[str, str]]) -> str | None:
+        """What is wrong with the first missing or corrupt piece, or None."""
+        for piece in pieces:
+            path = self.dir / piece["file"]
+            if not path.is_file():
+                return f"{path} is missing"
+            if sha256_of(path) != piece["sha256"]:
+                return f"{path} is corrupt or truncated"
+        return None
+
     @staticmethod
     def load(path: Path) -> dict[str, Any]:
-        """Reads a checkpoint without running pickled code (`weights_only=True`)."""
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise UserError(f"checkpoint '{path}' cannot be read ({type(err).__name__}: {err}); "
-                            "it may be truncated or from another program") from err
+        """Reads a checkpoint without running pickled code (`weights_only=True`); a sharded optimizer's
+        pieces are read too, one by one, and its state is whole again (any world size loads it)."""
+        state = _read(path)
         missing = [k for k in REQUIRED_KEYS if k not in state]
         if missing:
             raise UserError(f"checkpoint '{path}' lacks {', '.join(missing)}: it was not written by hvdtrain fit")
+        for piece in state.get("optimizer_pieces", []):
+            piece_path = path.parent / piece["file"]
+            if not piece_path.is_file() or sha256_of(piece_path) != piece["sha256"]:
+                raise UserError(f"checkpoint '{path}' names the optimizer state piece {piece_path}, which is missing "
+                                "or does not match its sha256: resume from an older checkpoint (remove this one)")
+            state["optimizer"]["state"].update(_read(piece_path)["state"])
         return state
 
     def _manifest(self) -> dict[str, Any] | None:

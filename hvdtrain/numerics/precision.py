@@ -9,7 +9,7 @@ same overflow and skips the same step.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,10 +32,22 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        """Call after the allreduce and before clipping."""
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+    def unscale(self, optimizer: torch.optim.Optimizer, any_rank: Callable[[bool], bool] | None = None) -> None:
+        """Call after the allreduce and before clipping. `any_rank(found)`: whether any rank found an
+        overflow, where each rank holds only its share of the gradients (a sharded optimizer)."""
+        if self.scaler is None:
+            return
+        self.scaler.unscale_(optimizer)
+        if any_rank is not None:
+            # dist: every rank skips the step and lowers the scale together, as after an allreduce.
+            # The scaler offers no public way to be told; its per-optimizer record is what step() and
+            # update() read (and a rank whose share got no gradient has none: it gets one).
+            found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            overflow = any_rank(any(bool(flag.item()) for flag in found.values()))
+            if not found:
+                found[self.scaler._scale.device] = torch.zeros(1, device=self.scaler._scale.device)
+            for flag in found.values():
+                flag.fill_(float(overflow))
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import platform
 from typing import Any
 
+import torch
+
 from hvdtrain.config import Config
 from hvdtrain.data.sources import build_data
 from hvdtrain.tools.doctor import gpus
@@ -19,7 +21,10 @@ from hvdtrain.engine.environment import available_cores
 from hvdtrain.data.sampler import EvalShardSampler
 from hvdtrain.data.stream_sampler import training_sampler
 from hvdtrain.data.streams import StreamDataset
+from hvdtrain.engine.sharded import held_bytes
+from hvdtrain.models import ModelShapes
 from hvdtrain.train.schedule import learning_rate
+from hvdtrain.train.setup import make_optimizer, mib
 from hvdtrain.train.steps import StepCount
 from hvdtrain.tasks import build_task
 
@@ -68,7 +73,24 @@ def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
                "warmup_steps": lr.warmup_steps, "schedule": lr.schedule, "total_steps": lr.total_steps,
                "last_step": lr(max(0, lr.total_steps - 1))},
         "adasum": config.train.adasum,
+        "shard_optimizer": config.train.shard_optimizer,
+        "memory": memory_per_rank(config, split, task, size),
     }
+
+
+def memory_per_rank(config: Config, split: Any, task: Any, size: int) -> list[dict[str, int]]:
+    """What each rank holds, in bytes: the model built as fit builds it, and its optimizer's state measured
+    after one step on zero gradients (any optimizer, a user's too)."""
+    model = ModelShapes(split.input_shape, split.num_classes,
+                        task.num_outputs(split.num_classes, split.target_shape)).build(config.model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(config, model)
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    state = {p: sum(t.numel() * t.element_size() for t in optimizer.state[p].values() if isinstance(t, torch.Tensor))
+             for p in params}
+    return held_bytes(params, size, state, config.train.shard_optimizer)
 
 
 def render(plan: dict[str, Any]) -> str:
@@ -94,6 +116,7 @@ def render(plan: dict[str, Any]) -> str:
            f"{'end of the stream' if plan.get('stream') else 'last partial global batch'})" if dropped
            else "no sample is left out"),
         _lr_line(plan, lr),
+        *_memory_lines(plan),
         "",
         "first global batch (epoch 1, step 1), indices into the training set:",
     ]
@@ -102,6 +125,19 @@ def render(plan: dict[str, Any]) -> str:
         more = f", ... ({len(r['first_batch'])} in all)" if len(r["first_batch"]) > SHOWN_INDICES else ""
         lines.append(f"  rank {r['rank']}: [{', '.join(map(str, shown))}{more}]")
     return "\n".join(lines)
+
+
+def _memory_lines(plan: dict[str, Any]) -> list[str]:
+    memory = plan["memory"]
+
+    def held(entry: dict[str, int]) -> str:
+        return (f"parameters {mib(entry['parameters'])}, gradients {mib(entry['gradients'])}, optimizer state "
+                f"{mib(entry['optimizer_state'])}")
+
+    if not plan["shard_optimizer"]:
+        return [f"memory per rank (trainable parameters, all on every rank): {held(memory[0])}"]
+    return ["memory per rank, optimizer state sharded (each rank steps its share; gradients after the "
+            "reduce-scatter):"] + [f"  rank {rank}: {held(entry)}" for rank, entry in enumerate(memory)]
 
 
 def _lr_line(plan: dict[str, Any], lr: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ import torch
 from hvdtrain.config import Config
 from hvdtrain.data.sampler import TrainingSampler
 from hvdtrain.engine import Engine
+from hvdtrain.engine.base import on_cpu
 from hvdtrain.errors import UserError, message_lines
 from hvdtrain.io.checkpoint import CheckpointState, CheckpointStore, Start, split_adamw_groups
 from hvdtrain.io.progress import say
@@ -42,7 +43,8 @@ class Checkpointer:
 
     def save_epoch(self, epoch: int, step: int, lr_batch: int, metrics: dict[str, float]) -> None:
         """At the end of `epoch`, with its validation metrics."""
-        self._save_together(lambda: (self._state(epoch, step, lr_batch), epoch, metrics))
+        self._save_together(lambda: (self._state(epoch, step, lr_batch), epoch, metrics),
+                            CheckpointStore.file_name(epoch, 0))
 
     def save_inside(self, epoch: int, step: int, lr_batch: int, position: int, sums: EpochSums,
                     sampler: TrainingSampler) -> None:
@@ -63,7 +65,7 @@ class Checkpointer:
             saved.stream_plan = sampler.state_at(position)  # where each rank's range stands, for any world size
             return saved, epoch - 1, {}
 
-        self._save_together(state)
+        self._save_together(state, CheckpointStore.file_name(epoch - 1, position))
 
     def _state(self, epoch: int, step: int, lr_batch: int) -> CheckpointState:
         run = self.run
@@ -71,12 +73,13 @@ class Checkpointer:
                                self.engine.size, lr_batch, run.precision.state_dict(), run.task.name,
                                run.shapes.to_dict(), self.config.to_dict())
 
-    def _save_together(self, make: Callable[[], tuple[CheckpointState, int, dict]]) -> None:
-        """Rank 0 writes a checkpoint while every rank waits for it; a failure to write (a full disk) or
-        a write slower than run.checkpoint_timeout seconds stops every rank with one line."""
+    def _save_together(self, make: Callable[[], tuple[CheckpointState, int, dict]], name: str) -> None:
+        """Rank 0 writes checkpoint `name` while every rank waits for it; a failure to write (a full disk)
+        or a write slower than run.checkpoint_timeout seconds stops every rank with one line."""
         engine, timeout = self.engine, self.config.run.checkpoint_timeout
         with engine.agree("checkpoint"):  # dist: the others learn how rank 0's write went
-            writer = _Writer(self.store, make) if engine.is_root else None
+            pieces = self._optimizer_pieces(name)
+            writer = _Writer(self.store, make, pieces) if engine.is_root else None
             engine.at("waiting for rank 0 to write a checkpoint")
             started = time.monotonic()
             # dist: not one long wait in a collective (the stall watchdog, Horovod's stall inspector and
@@ -96,20 +99,44 @@ class Checkpointer:
             if writer is not None:  # the others learn of a failure in the agreement, from rank 0's line
                 writer.raise_failure(self.store, late, timeout)
 
+    def _optimizer_pieces(self, name: str) -> list[dict[str, str]]:
+        """A sharded optimizer's state, rank by rank: rank 0 writes each other rank's share beside
+        checkpoint `name` as it arrives, so no rank ever holds the whole of it. Returns the pieces (rank 0)."""
+        engine = self.engine
+        if engine.gradient_shards is None or engine.size == 1:
+            return []
+        pieces: list[dict[str, str]] = []
+        failure: Exception | None = None
+        for sender in range(1, engine.size):
+            share = {"state": on_cpu(self.run.optimizer.state_dict()["state"])} if engine.rank == sender else None
+            received = engine.send_to_root(share, sender, "optimizer_share")  # dist
+            if engine.is_root and failure is None:
+                try:
+                    pieces.append(self.store.save_piece(name, sender, received))
+                except (OSError, RuntimeError) as err:  # the others' shares still arrive: no one waits in vain
+                    failure = err
+            del share, received
+        if failure is not None:
+            _Writer.failed(self.store, failure)
+        return pieces
+
 
 class _Writer:
     """Rank 0's checkpoint write, in a thread of its own so that its main thread can keep telling
     the others it is still writing."""
 
-    def __init__(self, store: CheckpointStore, make: Callable[[], tuple[CheckpointState, int, dict]]):
+    def __init__(self, store: CheckpointStore, make: Callable[[], tuple[CheckpointState, int, dict]],
+                 pieces: list[dict[str, str]]):
         self.error: Exception | None = None
-        self._thread = threading.Thread(target=self._write, args=(store, make), name="hvdtrain-checkpoint-writer",
-                                        daemon=True)  # a write stuck on a dead disk must not hold the exit
+        self._thread = threading.Thread(target=self._write, args=(store, make, pieces), daemon=True,
+                                        name="hvdtrain-checkpoint-writer")  # a write stuck on a dead disk must not hold the exit
         self._thread.start()
 
-    def _write(self, store: CheckpointStore, make: Callable[[], tuple[CheckpointState, int, dict]]) -> None:
+    def _write(self, store: CheckpointStore, make: Callable[[], tuple[CheckpointState, int, dict]],
+               pieces: list[dict[str, str]]) -> None:
         try:
             state, epoch, metrics = make()
+            state.optimizer_pieces = pieces
             store.save(state.to_dict(), epoch, metrics)
         except Exception as err:  # noqa: BLE001 - raised in the main thread by raise_failure
             self.error = err
@@ -123,18 +150,23 @@ class _Writer:
             raise UserError(f"writing a checkpoint into {store.dir} took longer than run.checkpoint_timeout "
                             f"({timeout:g} s); the checkpoints before it are intact: check that file system, or "
                             "raise run.checkpoint_timeout, then continue with --resume")
-        err = self.error
+        if self.error is not None:
+            self.failed(store, self.error)
+
+    @staticmethod
+    def failed(store: CheckpointStore, err: Exception) -> None:
+        """Raises the line for a failed write."""
         if isinstance(err, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
             reason = err.strerror if isinstance(err, OSError) and err.strerror else message_lines(err)
             raise UserError(f"could not write a checkpoint into {store.dir}: {reason}; the "
                             "checkpoints before it are intact: free space, then continue with --resume") from err
-        if err is not None:
-            raise err
+        raise err
 
 
-def restore(run: Run, config: Config, run_dir: Path) -> Start:
-    """Rank 0: loads the newest intact checkpoint into the model, optimizer and gradient scaler, and
-    says where the run goes on from."""
+def restore(run: Run, config: Config, run_dir: Path, engine: Engine) -> tuple[Start, dict[str, Any] | None]:
+    """Rank 0: loads the newest intact checkpoint into the model, optimizer (its share, when sharded) and
+    gradient scaler, and says where the run goes on from. Returns that, and with a sharded optimizer
+    the whole optimizer state, for the others' shares (written on any world size, sharded or not)."""
     path = CheckpointStore(run_dir).latest_valid(warn=lambda message: say(f"hvdtrain: warning: {message}"))
     if path is None:
         raise UserError(f"no intact checkpoint to resume in '{run_dir}/checkpoints': every one is corrupt or "
@@ -149,8 +181,9 @@ def restore(run: Run, config: Config, run_dir: Path) -> Start:
     except RuntimeError as err:
         raise UserError(f"checkpoint '{path}' does not fit this model: {message_lines(err, 3)}; "
                         "resume with the model settings it was written with") from err
+    whole = _optimizer_state(state["optimizer"], run, config)
     try:
-        run.optimizer.load_state_dict(_optimizer_state(state["optimizer"], run, config))
+        run.optimizer.load_state_dict(engine.own_share(run.optimizer, whole))
     except (ValueError, KeyError) as err:
         raise UserError(f"checkpoint '{path}' has optimizer state that does not fit optim.name "
                         f"'{config.optim.name}': {err}") from err
@@ -158,7 +191,7 @@ def restore(run: Run, config: Config, run_dir: Path) -> Start:
     start = Start.of(state)
     inside = f", {start.position} samples into epoch {state['epoch'] + 1}" if start.position else ""
     say(f"hvdtrain: resuming from {path} (epoch {state['epoch']}, step {state['step']}{inside})")
-    return start
+    return start, whole if engine.gradient_shards is not None else None
 
 
 def _optimizer_state(saved: dict[str, Any], run: Run, config: Config) -> dict[str, Any]:

@@ -66,12 +66,16 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, engine: 
         precision.step(optimizer)
         optimizer.zero_grad()
         return not check_finite or _all_finite([p.detach() for p in model.parameters()])
-    precision.unscale(optimizer)  # dist: gradients are now the average over ranks
+    shards = engine.gradient_shards  # dist: each rank holds the gradients of its share only
+    precision.unscale(optimizer, None if shards is None else engine.any_rank)  # dist: averaged over ranks
     finite = True
     if check_finite and precision.scaler is None:  # the fp16 scaler makes this check itself
-        finite = _all_finite([p.grad for p in model.parameters() if p.grad is not None])
+        finite = _all_finite([p.grad for p in model.parameters() if p.grad is not None]) if shards is None \
+            else bool(shards.norms(list(model.parameters())).isfinite().all())
     if finite:
-        if clip_grad_norm is not None:
+        if clip_grad_norm is not None and shards is not None:  # the norm of all shards together
+            shards.clip(list(model.parameters()), clip_grad_norm)
+        elif clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         with engine.skip_synchronize(optimizer):
             precision.step(optimizer)

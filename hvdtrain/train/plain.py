@@ -60,7 +60,7 @@ def _train(trainer: Trainer, signals: StopSignals, started: float) -> dict[str, 
     run_dir = Path(engine.broadcast_object(str(trainer.run_dir) if engine.is_root else None, "run_dir"))
     # dist: every rank starts from rank 0's weights and optimizer state (and gradient scaler).
     engine.broadcast_parameters(run.model)
-    engine.broadcast_optimizer_state(run.optimizer)
+    engine.broadcast_optimizer_state(run.optimizer, trainer.resumed_optimizer)
     start = engine.broadcast_object(start, "start")
     run.precision.load_state_dict(engine.broadcast_object(run.precision.state_dict(), "scaler"))  # dist: fp16
     step = trainer.begin(run_dir, start, Totals(started, start.epoch))

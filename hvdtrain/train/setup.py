@@ -70,8 +70,9 @@ def build(config: Config, engine: Engine) -> Run:
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = engine.wrap_optimizer(
-        _make_optimizer(config, model), model,
-        GradientSync(config.train.accumulate, config.train.compression, config.train.adasum),
+        make_optimizer(config, model), model,
+        GradientSync(config.train.accumulate, config.train.compression, config.train.adasum,
+                     config.train.shard_optimizer),
     )
     # Compiled after wrapping: Horovod's hooks sit on the parameters, which compiling keeps.
     forward = torch.compile(model) if config.train.compile else model
@@ -138,7 +139,7 @@ def check_same_data(run: Run, engine: Engine) -> None:
                         "files, or exact copies)")
 
 
-def _make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
     cfg = config.optim
     if cfg.name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -156,6 +157,36 @@ def _make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
     for group in made.param_groups:  # each group follows the schedule at its own ratio to optim.lr
         group.setdefault("lr_ratio", group["lr"] / cfg.lr)
     return made
+
+
+def state_factor(config: Config) -> int | None:
+    """Optimizer state per parameter, in parameters' sizes (SGD's momentum: 1, AdamW's moments: 2);
+    None for a user's optimizer (known after its first step)."""
+    if config.optim.name == "sgd":
+        return 1 if config.optim.momentum else 0
+    return 2 if config.optim.name == "adamw" else None
+
+
+def holdings_line(run: Run, config: Config, engine: Engine) -> str:
+    """What this rank holds with a sharded optimizer, for its start line."""
+    from hvdtrain.engine.sharded import held_bytes
+
+    params = [p for p in unwrapped(run.model).parameters() if p.requires_grad]
+    factor = state_factor(config)
+    per_param = {p: p.numel() * p.element_size() * (factor or 0) for p in params}
+    held = held_bytes(params, engine.size, per_param, sharded=True)[engine.rank]
+    state = f"{mib(held['optimizer_state'])}" if factor is not None else \
+        f"your optimizer's for {mib(held['gradients'])} of parameters"
+    return (f"rank {engine.rank}/{engine.size} holds parameters {mib(held['parameters'])} (all), gradients "
+            f"{mib(held['gradients'])} and optimizer state {state} (its share: --shard-optimizer)")
+
+
+def mib(nbytes: int) -> str:
+    """Bytes in the unit that reads best (KiB, MiB, GiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
 
 
 def keep_learning_rate(config: Config, lr_batch: int) -> None:

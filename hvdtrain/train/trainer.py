@@ -7,6 +7,7 @@ elastic training adds its commits as `Hooks`.
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,8 @@ from hvdtrain.train.loop import EpochResult, EpochSums, EvalResult, Training, ev
 from hvdtrain.train.random_state import seed_epoch, set_rng_state
 from hvdtrain.train.running_stats import share_running_stats
 from hvdtrain.train.schedule import learning_rate
-from hvdtrain.train.setup import Run, Shard, build, check_same_data, check_task, keep_learning_rate, shard
+from hvdtrain.train.setup import (Run, Shard, build, check_same_data, check_task, holdings_line, keep_learning_rate,
+                                  shard)
 from hvdtrain.train.stop_policy import NeverStop, StopPolicy
 from hvdtrain.train.summary import Totals, say_how_it_ended, summarize
 
@@ -69,6 +71,8 @@ class Trainer:
         self.stops: StopPolicy = NeverStop()
         self.hooks = Hooks()
         self.run_dir: Path | None = None  # rank 0's, until `begin`
+        self.resumed_optimizer: dict[str, Any] | None = None
+        """Rank 0, resuming with a sharded optimizer: the whole optimizer state, for the others' shares."""
         self.loggers: Loggers | None = None
 
     # --- set-up, the same for plain and elastic fit
@@ -76,6 +80,8 @@ class Trainer:
     def prepare(self) -> None:
         """Data, model and optimizer, this rank's shard, and the task checked on one batch (no collectives)."""
         self.run: Run = build(self.config, self.engine)
+        if self.engine.gradient_shards is not None:  # every rank's own line, beside its start line
+            sys.stderr.write(f"hvdtrain: {holdings_line(self.run, self.config, self.engine)}\n")
         self.shard: Shard = shard(self.run, self.config, self.engine)
         self.first, self.best = check_task(self.run, self.config, self.engine)
 
@@ -88,7 +94,10 @@ class Trainer:
         if not self.engine.is_root:  # dist: rank 0 alone owns the run directory
             return Start()
         self.run_dir, resuming = prepare_run_dir(self.config.run)
-        return restore(self.run, self.config, self.run_dir) if resuming else Start()
+        if not resuming:
+            return Start()
+        start, self.resumed_optimizer = restore(self.run, self.config, self.run_dir, self.engine)
+        return start
 
     def reshard(self) -> None:
         """This rank's batches for the processes there are now."""

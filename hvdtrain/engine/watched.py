@@ -1,0 +1,141 @@
+"""What the engines of several processes share: each collective tells the stall watchdog what it
+waits in (and a stall report names it), and a sharded optimizer's gradients go through the same
+`synchronize` as averaged ones."""
+
+from __future__ import annotations
+
+import contextlib
+from abc import abstractmethod
+from typing import Any, Iterator
+
+import torch
+
+from hvdtrain.engine.base import Engine, GradientSync
+from hvdtrain.engine.sharded import ShardCollectives, ShardedGradients
+from hvdtrain.engine.watchdog import Activity, StallWatchdog
+from hvdtrain.errors import note_where_the_job_stood
+
+
+class WatchedEngine(Engine):
+    """An engine of several processes whose every collective records in `activity` what it waits in,
+    so that the stall watchdog can name the ranks missing from it. Subclasses implement the
+    collectives as the `_`-prefixed methods; each is wrapped here, once for every engine."""
+
+    activity: Activity
+    _watchdog: StallWatchdog | None = None
+
+    def at(self, where: str) -> None:
+        self.activity.at(where)
+
+    @contextlib.contextmanager
+    def _collective(self, name: str) -> Iterator[None]:
+        """Waits in collective `name`; where it broke off (another rank failed or left) goes with its error."""
+        with self.activity.waiting(name):
+            try:
+                yield
+            except Exception as err:
+                if self.is_engine_signal(err):
+                    note_where_the_job_stood(err, self.activity.where, first=True)
+                raise
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                       sync: GradientSync) -> torch.optim.Optimizer:
+        if not sync.shard:
+            return self._wrap_optimizer(optimizer, model, sync)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self.gradient_shards = ShardedGradients(params, self._shard_collectives(), sync.accumulate,
+                                                sync.compression, watch=self._collective)
+        # dist: after each step (only when taken: the gradient scaler and a non-finite skip decide alike
+        # on every rank) every rank gets the others' updated parameters.
+        optimizer.register_step_post_hook(lambda *_: self.gradient_shards.gather_parameters())
+        return optimizer  # `step` is the optimizer's own, on this rank's share of the gradients
+
+    def synchronize(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.gradient_shards is not None:
+            with self._collective("the gradient reduce-scatter"):
+                self.gradient_shards.wait()
+            return True
+        if self._updates_in_step():
+            return False
+        with self._collective("the gradient allreduce"):
+            self._synchronize(optimizer)
+        return True
+
+    def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
+        if self.gradient_shards is not None:
+            return contextlib.nullcontext()
+        return self._skip_synchronize(optimizer)
+
+    def _updates_in_step(self) -> bool:
+        """Whether the optimizer combines parameter updates inside `step` (Adasum): no gradient allreduce."""
+        return False
+
+    def broadcast_parameters(self, model: torch.nn.Module) -> None:
+        with self._collective("broadcast of the parameters"):
+            self._broadcast_parameters(model)
+
+    def broadcast_object(self, obj: Any, name: str) -> Any:
+        with self._collective(f"broadcast '{name}'"):
+            return self._broadcast_object(obj, name)
+
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        with self._collective(f"allgather '{name}'"):
+            return self._allgather_object(obj, name)
+
+    def gather_object(self, obj: Any, name: str) -> list[Any] | None:
+        with self._collective(f"gather '{name}'"):
+            return self._gather_object(obj, name)
+
+    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        with self._collective(f"allreduce '{name}'"):
+            return self._allreduce_sum(tensor, name)
+
+    def send_to_root(self, obj: Any, sender: int, name: str) -> Any:
+        with self._collective(f"rank {sender} sending '{name}' to rank 0"):
+            return self._send_to_root(obj, sender, name)
+
+    def barrier(self) -> None:
+        with self._collective("barrier"):
+            self._barrier()
+
+    def shutdown(self, finished: bool = False) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()  # and joined: its thread must not be inside the engine's calls at exit
+        self._shutdown(finished)
+
+    @abstractmethod
+    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                        sync: GradientSync) -> torch.optim.Optimizer: ...
+
+    @abstractmethod
+    def _shard_collectives(self) -> ShardCollectives: ...
+
+    @abstractmethod
+    def _synchronize(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    @abstractmethod
+    def _skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager: ...
+
+    @abstractmethod
+    def _broadcast_parameters(self, model: torch.nn.Module) -> None: ...
+
+    @abstractmethod
+    def _broadcast_object(self, obj: Any, name: str) -> Any: ...
+
+    @abstractmethod
+    def _allgather_object(self, obj: Any, name: str) -> list[Any]: ...
+
+    @abstractmethod
+    def _gather_object(self, obj: Any, name: str) -> list[Any] | None: ...
+
+    @abstractmethod
+    def _allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _send_to_root(self, obj: Any, sender: int, name: str) -> Any: ...
+
+    @abstractmethod
+    def _barrier(self) -> None: ...
+
+    @abstractmethod
+    def _shutdown(self, finished: bool) -> None: ...
