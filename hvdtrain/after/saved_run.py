@@ -63,7 +63,7 @@ def open_run(engine: Engine, run_dir: str | Path, which: str = "best",
 def read_checkpoint(run_dir: Path, which: str) -> dict[str, Any]:
     """The checkpoint `which` names (best, last or a path), verified; rank 0 only."""
     path = checkpoint_path(run_dir, which)
-    state = CheckpointStore.load(path)
+    state = CheckpointStore.load(path, optimizer=False)  # the weights: a sharded optimizer's pieces are not needed
     if "config" not in state:
         raise UserError(f"checkpoint '{path}' holds no config: it was written by an older hvdtrain; "
                         "train it again with this version")

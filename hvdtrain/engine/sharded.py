@@ -169,16 +169,14 @@ class ShardedGradients:
             torch.nn.utils.clip_grads_with_norm_(mine, max_norm, total)
 
     def gather_parameters(self) -> None:
-        """After this rank stepped its share: every rank gets every rank's updated parameters."""
-        started = []
+        """After this rank stepped its share: every rank gets every rank's updated parameters. Two buckets
+        in flight at most: the next one travels while this one is copied, and the gathered buffers (a whole
+        bucket each) never add up to a second copy of the model."""
         with torch.no_grad(), self.watch("the parameter all-gather"):
+            started = self._gather_bucket(0) if self.shares else None
             for index, share in enumerate(self.shares):
-                mine = [share.params[i].detach().reshape(-1) for i in share.owned_by(self.rank)]
-                filled = sum(t.numel() for t in mine)
-                segment = torch.cat([*mine, share.params[0].new_zeros(share.segment - filled)])
-                started.append(self.comm.all_gather(segment, f"hvdtrain.shard.params.{index}"))
-            for share, handle in zip(self.shares, started):
-                gathered = self.comm.wait(handle)
+                following = self._gather_bucket(index + 1) if index + 1 < len(self.shares) else None
+                gathered = self.comm.wait(started)
                 for rank in range(self.size):
                     if rank == self.rank:
                         continue
@@ -187,6 +185,15 @@ class ShardedGradients:
                         param = share.params[i]
                         param.copy_(gathered[offset:offset + param.numel()].view_as(param))
                         offset += param.numel()
+                del gathered
+                started = following
+
+    def _gather_bucket(self, index: int) -> Any:
+        share = self.shares[index]
+        mine = [share.params[i].detach().reshape(-1) for i in share.owned_by(self.rank)]
+        filled = sum(t.numel() for t in mine)
+        segment = torch.cat([*mine, share.params[0].new_zeros(share.segment - filled)])
+        return self.comm.all_gather(segment, f"hvdtrain.shard.params.{index}")
 
     def owned_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """An optimizer state dict (any world size, sharded or not) cut to this rank's parameters."""

@@ -42,7 +42,11 @@ class WatchedEngine(Engine):
                        sync: GradientSync) -> torch.optim.Optimizer:
         if not sync.shard:
             return self._wrap_optimizer(optimizer, model, sync)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        # In the model's order (backward's, reversed), not the optimizer's (AdamW's groups list the matrices,
+        # then the biases): buckets then fill as backward goes and start early; plan deals out the same.
+        order = {param: index for index, param in enumerate(model.parameters())}
+        params = sorted((p for group in optimizer.param_groups for p in group["params"] if p.requires_grad),
+                        key=lambda p: order.get(p, len(order)))
         self.gradient_shards = ShardedGradients(params, self._shard_collectives(), sync.accumulate,
                                                 sync.compression, watch=self._collective)
         # dist: after each step (only when taken: the gradient scaler and a non-finite skip decide alike

@@ -225,7 +225,7 @@ class CheckpointStore:
         # No manifest (a directory from elsewhere): the newest file that loads.
         for path in sorted(self.dir.glob("epoch-*.pt"), reverse=True):
             try:
-                self.load(path)
+                self.load(path, optimizer=False)
                 return path
             except UserError as err:
                 warn(f"{err}; trying an older one")
@@ -263,14 +263,15 @@ class CheckpointStore:
         return None
 
     @staticmethod
-    def load(path: Path) -> dict[str, Any]:
-        """Reads a checkpoint without running pickled code (`weights_only=True`); a sharded optimizer's
-        pieces are read too, one by one, and its state is whole again (any world size loads it)."""
+    def load(path: Path, optimizer: bool = True) -> dict[str, Any]:
+        """Reads a checkpoint without running pickled code (`weights_only=True`); with `optimizer`, a sharded
+        optimizer's pieces are read too, one by one, and its state is whole again (any world size loads
+        it). Without, the weights and the rest need only the checkpoint file (evaluate, predict, export)."""
         state = _read(path)
         missing = [k for k in REQUIRED_KEYS if k not in state]
         if missing:
             raise UserError(f"checkpoint '{path}' lacks {', '.join(missing)}: it was not written by hvdtrain fit")
-        for piece in state.get("optimizer_pieces", []):
+        for piece in state.get("optimizer_pieces", []) if optimizer else []:
             piece_path = path.parent / piece["file"]
             if not piece_path.is_file() or sha256_of(piece_path) != piece["sha256"]:
                 raise UserError(f"checkpoint '{path}' names the optimizer state piece {piece_path}, which is missing "

@@ -5,6 +5,7 @@ run resumes. The files themselves are `hvdtrain.io.checkpoint`'s.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from pathlib import Path
@@ -78,7 +79,9 @@ class Checkpointer:
         or a write slower than run.checkpoint_timeout seconds stops every rank with one line."""
         engine, timeout = self.engine, self.config.run.checkpoint_timeout
         with engine.agree("checkpoint"):  # dist: the others learn how rank 0's write went
-            pieces = self._optimizer_pieces(name)
+            pieces, failure = self._optimizer_pieces(name)
+            if failure is not None:  # rank 0's writer fails at once, and every rank goes on as after any failed write
+                make = functools.partial(_raise, failure)
             writer = _Writer(self.store, make, pieces) if engine.is_root else None
             engine.at("waiting for rank 0 to write a checkpoint")
             started = time.monotonic()
@@ -99,12 +102,13 @@ class Checkpointer:
             if writer is not None:  # the others learn of a failure in the agreement, from rank 0's line
                 writer.raise_failure(self.store, late, timeout)
 
-    def _optimizer_pieces(self, name: str) -> list[dict[str, str]]:
+    def _optimizer_pieces(self, name: str) -> tuple[list[dict[str, str]], Exception | None]:
         """A sharded optimizer's state, rank by rank: rank 0 writes each other rank's share beside
-        checkpoint `name` as it arrives, so no rank ever holds the whole of it. Returns the pieces (rank 0)."""
+        checkpoint `name` as it arrives, so no rank ever holds the whole of it. Returns the pieces and
+        what failed to be written (rank 0), raised later by its writer: every rank still polls alike."""
         engine = self.engine
         if engine.gradient_shards is None or engine.size == 1:
-            return []
+            return [], None
         pieces: list[dict[str, str]] = []
         failure: Exception | None = None
         for sender in range(1, engine.size):
@@ -113,12 +117,14 @@ class Checkpointer:
             if engine.is_root and failure is None:
                 try:
                     pieces.append(self.store.save_piece(name, sender, received))
-                except (OSError, RuntimeError) as err:  # the others' shares still arrive: no one waits in vain
+                except Exception as err:  # noqa: BLE001 - the others' shares still arrive: no one waits in vain
                     failure = err
             del share, received
-        if failure is not None:
-            _Writer.failed(self.store, failure)
-        return pieces
+        return pieces, failure
+
+
+def _raise(err: Exception) -> Any:
+    raise err
 
 
 class _Writer:
