@@ -194,6 +194,30 @@ def test_fp16_an_overflow_in_one_rank_s_share_skips_the_step_on_every_rank(tmp_p
     assert scales[0] == scales[1] < 65536.0
 
 
+FULL_DISK_ON_PIECES = """
+import errno, sys
+import hvdtrain.io.checkpoint as checkpoint
+def full(self, name, rank, piece):
+    raise OSError(errno.ENOSPC, "No space left on device")
+checkpoint.CheckpointStore.save_piece = full
+from hvdtrain.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_a_piece_that_cannot_be_written_stops_every_rank_with_one_line(tmp_path):
+    """A full disk while rank 0 writes rank 1's share: one line, every rank stops, no checkpoint half-made."""
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK_ON_PIECES)
+    done = run([*LAUNCHERS["torchrun"], str(script), "fit", "--epochs", "2", "--progress", "off", "--shard-optimizer",
+                "--run-dir", str(tmp_path / "run")], timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("could not write a checkpoint into") == 1 and "Traceback" not in done.stderr
+    assert not list((tmp_path / "run").glob("checkpoints/epoch-*"))
+
+
 @pytest.mark.multiprocess
 @requires_launchers
 def test_a_refused_combination_is_one_line_and_writes_nothing(tmp_path):

@@ -129,6 +129,15 @@ class Engine(ABC):
             return
         if self.is_root and state is None:
             state = optimizer.state_dict()
+        shards = self.gradient_shards
+        if shards is not None:  # dist: each rank's share alone, in turn: no rank but 0 holds more than one at once
+            for rank in range(1, self.size):
+                share = on_cpu(shards.owned_state(optimizer, state, rank)) if self.is_root else None
+                share = self.broadcast_object(share, f"optimizer_share.{rank}")
+                if self.rank == rank:
+                    optimizer.load_state_dict(share)
+                del share
+            return
         # dist: sent from the host: pickled CUDA tensors would be unpickled onto cuda:0 on every rank (a
         # context and a copy there per rank); load_state_dict moves them to each rank's own device.
         state = self.broadcast_object(on_cpu(state) if self.is_root else None, "optimizer_state")

@@ -195,8 +195,11 @@ class ShardedGradients:
         segment = torch.cat([*mine, share.params[0].new_zeros(share.segment - filled)])
         return self.comm.all_gather(segment, f"hvdtrain.shard.params.{index}")
 
-    def owned_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-        """An optimizer state dict (any world size, sharded or not) cut to this rank's parameters."""
+    def owned_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                    rank: int | None = None) -> dict[str, Any]:
+        """An optimizer state dict (any world size, sharded or not) cut to the parameters of `rank` (this one's)."""
+        owned = self.owned if rank is None else \
+            {share.params[i] for share in self.shares for i in share.owned_by(rank)}
         order = [p for group in optimizer.param_groups for p in group["params"]]
-        keep = {index for index, param in enumerate(order) if param in self.owned}
+        keep = {index for index, param in enumerate(order) if param in owned}
         return {**state, "state": {k: v for k, v in state.get("state", {}).items() if int(k) in keep}}

@@ -75,75 +75,74 @@ class Checkpointer:
                                run.shapes.to_dict(), self.config.to_dict())
 
     def _save_together(self, make: Callable[[], tuple[CheckpointState, int, dict]], name: str) -> None:
-        """Rank 0 writes checkpoint `name` while every rank waits for it; a failure to write (a full disk)
-        or a write slower than run.checkpoint_timeout seconds stops every rank with one line."""
+        """Rank 0 writes checkpoint `name` while every rank waits for it (with a sharded optimizer, first
+        each other rank's share, as it arrives: no rank ever holds the whole state); a failure to write (a
+        full disk) or writes slower than run.checkpoint_timeout seconds stop every rank with one line."""
         engine, timeout = self.engine, self.config.run.checkpoint_timeout
         with engine.agree("checkpoint"):  # dist: the others learn how rank 0's write went
-            pieces, failure = self._optimizer_pieces(name)
-            if failure is not None:  # rank 0's writer fails at once, and every rank goes on as after any failed write
-                make = functools.partial(_raise, failure)
-            writer = _Writer(self.store, make, pieces) if engine.is_root else None
             engine.at("waiting for rank 0 to write a checkpoint")
-            started = time.monotonic()
-            # dist: not one long wait in a collective (the stall watchdog, Horovod's stall inspector and
-            # the process group's timeout would each end a healthy job during a slow write) but short
-            # ones: every POLL_SECONDS a tiny allreduce of whether rank 0's writer thread is done.
-            try:
-                while True:
-                    done = writer.wait(POLL_SECONDS) if writer is not None else False
-                    late = writer is not None and not done and time.monotonic() - started > timeout
-                    flags = engine.allreduce_sum(torch.tensor([float(done), float(late)]), "checkpoint_written").tolist()
-                    if flags[0] or flags[1]:
-                        break
-            except BaseException:
-                if writer is not None:  # another rank was lost meanwhile: not with a write still reading the model
-                    writer.wait(WRITER_JOIN_SECONDS)
-                raise
+            started, pieces = time.monotonic(), []
+            writer, late, failed = None, False, False
+            for sender in range(1, engine.size) if engine.gradient_shards is not None else ():
+                share = {"state": on_cpu(self.run.optimizer.state_dict()["state"])} if engine.rank == sender else None
+                received = engine.send_to_root(share, sender, "optimizer_share")  # dist
+                writer = _Writer(functools.partial(_write_piece, self.store, name, sender, received, pieces)) \
+                    if engine.is_root else None
+                del share, received
+                late, failed = self._wait_for(writer, started, timeout)
+                if late or failed:
+                    break
+            if not (late or failed):
+                writer = _Writer(functools.partial(_write_checkpoint, self.store, make, pieces)) if engine.is_root else None
+                late, failed = self._wait_for(writer, started, timeout)
             if writer is not None:  # the others learn of a failure in the agreement, from rank 0's line
                 writer.raise_failure(self.store, late, timeout)
 
-    def _optimizer_pieces(self, name: str) -> tuple[list[dict[str, str]], Exception | None]:
-        """A sharded optimizer's state, rank by rank: rank 0 writes each other rank's share beside
-        checkpoint `name` as it arrives, so no rank ever holds the whole of it. Returns the pieces and
-        what failed to be written (rank 0), raised later by its writer: every rank still polls alike."""
-        engine = self.engine
-        if engine.gradient_shards is None or engine.size == 1:
-            return [], None
-        pieces: list[dict[str, str]] = []
-        failure: Exception | None = None
-        for sender in range(1, engine.size):
-            share = {"state": on_cpu(self.run.optimizer.state_dict()["state"])} if engine.rank == sender else None
-            received = engine.send_to_root(share, sender, "optimizer_share")  # dist
-            if engine.is_root and failure is None:
-                try:
-                    pieces.append(self.store.save_piece(name, sender, received))
-                except Exception as err:  # noqa: BLE001 - the others' shares still arrive: no one waits in vain
-                    failure = err
-            del share, received
-        return pieces, failure
+    def _wait_for(self, writer: "_Writer | None", started: float, timeout: float) -> tuple[bool, bool]:
+        """Until rank 0's `writer` is done: (whether it ran late, whether it failed), the same on every rank.
+        dist: not one long wait in a collective (the stall watchdog, Horovod's stall inspector and the
+        process group's timeout would each end a healthy job during a slow write) but short ones: every
+        POLL_SECONDS a tiny allreduce of whether rank 0's writer thread is done."""
+        try:
+            while True:
+                done = writer.wait(POLL_SECONDS) if writer is not None else False
+                late = writer is not None and not done and time.monotonic() - started > timeout
+                failed = writer is not None and done and writer.error is not None
+                flags = self.engine.allreduce_sum(torch.tensor([float(done), float(late), float(failed)]),
+                                                  "checkpoint_written").tolist()
+                if flags[0] or flags[1]:
+                    return bool(flags[1]), bool(flags[2])
+        except BaseException:
+            if writer is not None:  # another rank was lost meanwhile: not with a write still reading the model
+                writer.wait(WRITER_JOIN_SECONDS)
+            raise
 
 
-def _raise(err: Exception) -> Any:
-    raise err
+def _write_piece(store: CheckpointStore, name: str, sender: int, share: dict[str, Any],
+                 pieces: list[dict[str, str]]) -> None:
+    pieces.append(store.save_piece(name, sender, share))
+
+
+def _write_checkpoint(store: CheckpointStore, make: Callable[[], tuple[CheckpointState, int, dict]],
+                      pieces: list[dict[str, str]]) -> None:
+    state, epoch, metrics = make()
+    state.optimizer_pieces = pieces
+    store.save(state.to_dict(), epoch, metrics)
 
 
 class _Writer:
-    """Rank 0's checkpoint write, in a thread of its own so that its main thread can keep telling
+    """One of rank 0's checkpoint writes, in a thread of its own so that its main thread can keep telling
     the others it is still writing."""
 
-    def __init__(self, store: CheckpointStore, make: Callable[[], tuple[CheckpointState, int, dict]],
-                 pieces: list[dict[str, str]]):
+    def __init__(self, job: Callable[[], None]):
         self.error: Exception | None = None
-        self._thread = threading.Thread(target=self._write, args=(store, make, pieces), daemon=True,
+        self._thread = threading.Thread(target=self._write, args=(job,), daemon=True,
                                         name="hvdtrain-checkpoint-writer")  # a write stuck on a dead disk must not hold the exit
         self._thread.start()
 
-    def _write(self, store: CheckpointStore, make: Callable[[], tuple[CheckpointState, int, dict]],
-               pieces: list[dict[str, str]]) -> None:
+    def _write(self, job: Callable[[], None]) -> None:
         try:
-            state, epoch, metrics = make()
-            state.optimizer_pieces = pieces
-            store.save(state.to_dict(), epoch, metrics)
+            job()
         except Exception as err:  # noqa: BLE001 - raised in the main thread by raise_failure
             self.error = err
 
