@@ -108,8 +108,10 @@ def test_a_signal_to_a_rank_still_importing_torch_stops_at_the_first_step(launch
     import psutil
 
     run_dir = tmp_path / "run"
+    env = launch_env()  # and torch's import a second slower (tests/slow_torch_import): the moment is seen
+    env["PYTHONPATH"] = f"{Path(__file__).parent / 'slow_torch_import'}{os.pathsep}{env['PYTHONPATH']}"
     job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *ARGS, "--epochs", "2", "--run-dir",
-                            str(run_dir)], env={**launch_env(), "HVDTRAIN_TEST_SIGNAL": ""}, stdout=subprocess.PIPE,
+                            str(run_dir)], env={**env, "HVDTRAIN_TEST_SIGNAL": ""}, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     launched, deadline, rank = psutil.Process(job.pid), time.monotonic() + 60, None
     while rank is None and time.monotonic() < deadline and job.poll() is None:
