@@ -168,17 +168,16 @@ def state_factor(config: Config) -> int | None:
 
 
 def holdings_line(run: Run, config: Config, engine: Engine) -> str:
-    """What this rank holds with a sharded optimizer, for its start line."""
-    from hvdtrain.engine.sharded import held_bytes
+    """What this rank holds with a sharded optimizer, for its start line: the engine's own partition."""
+    def nbytes(params: list[nn.Parameter]) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
 
     params = [p for p in unwrapped(run.model).parameters() if p.requires_grad]
+    mine = nbytes([p for p in params if p in engine.gradient_shards.owned])
     factor = state_factor(config)
-    per_param = {p: p.numel() * p.element_size() * (factor or 0) for p in params}
-    held = held_bytes(params, engine.size, per_param, sharded=True)[engine.rank]
-    state = f"{mib(held['optimizer_state'])}" if factor is not None else \
-        f"your optimizer's for {mib(held['gradients'])} of parameters"
-    return (f"rank {engine.rank}/{engine.size} holds parameters {mib(held['parameters'])} (all), gradients "
-            f"{mib(held['gradients'])} and optimizer state {state} (its share: --shard-optimizer)")
+    state = mib(mine * factor) if factor is not None else f"your optimizer's for {mib(mine)} of parameters"
+    return (f"rank {engine.rank}/{engine.size} holds parameters {mib(nbytes(params))} (all), gradients "
+            f"{mib(mine)} and optimizer state {state} (its share: --shard-optimizer)")
 
 
 def mib(nbytes: int) -> str:
