@@ -70,15 +70,18 @@ def where(err: BaseException) -> str:
     """` (file:line in function)` of the innermost frame in the user's own code; "" when none is."""
     import traceback
 
-    own = [f for f in traceback.extract_tb(err.__traceback__) if not _library_file(f.filename)]
+    own = [f for f in traceback.extract_tb(err.__traceback__) if not library_file(f.filename)]
     return f" ({own[-1].filename}:{own[-1].lineno} in {own[-1].name})" if own else ""
 
 
-def _library_file(filename: str) -> bool:
-    """hvdtrain's own files, the standard library's and installed packages' (torch, Horovod)."""
+def library_file(filename: str) -> bool:
+    """hvdtrain's own files, the standard library's, installed packages' (torch, Horovod) and their
+    command scripts (bin/hvdtrain)."""
     import sysconfig
     from pathlib import Path
 
+    if filename.startswith("<"):  # frozen modules (<frozen runpy>)
+        return True
     paths = sysconfig.get_paths()
-    roots = [Path(__file__).parent, *(Path(paths[key]) for key in ("stdlib", "purelib", "platlib"))]
+    roots = [Path(__file__).parent, *(Path(paths[key]) for key in ("stdlib", "purelib", "platlib", "scripts"))]
     return any(root in Path(filename).parents for root in roots)

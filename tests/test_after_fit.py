@@ -190,7 +190,7 @@ def test_plot_overlays_runs_and_runs_lists_them(trained, finished_digits, tmp_pa
 
     out = assert_ok(run([*HVD2, "hvdtrain", "plot", str(finished_digits), str(trained), "--output",
                          str(tmp_path / "both.png")], cwd=tmp_path)).stdout
-    assert out.count("val_acc, val_top5_acc, train_samples_per_s against epoch and wall time, 2 runs") == 1
+    assert out.count("val_acc, val_top5_acc, train_samples_per_s, rank seconds against epoch and wall time, 2 runs") == 1
     image = matplotlib.image.imread(tmp_path / "both.png")
     assert image.shape[0] > 800 and image.shape[1] > 1000 and image[..., :3].std() > 0.05  # drawn, not blank
     table = assert_ok(run([*HVD2, "hvdtrain", "runs", str(trained.parent), "--json", str(tmp_path / "runs.json")],

@@ -458,36 +458,15 @@ def test_a_nan_step_can_be_skipped_on_every_rank(tmp_path):
 @pytest.mark.parametrize("launcher", ["mpirun", "horovodrun-gloo"])
 def test_ranks_with_3_and_5_batches_stop_within_the_stall_timeout(launcher):
     """Rank 0 has 3 batches, rank 1 has 5: rank 0 evaluates while rank 1 waits for a 4th step.
-
-    Under MPI Horovod's stall inspector ends it; under Gloo hvdtrain's own watchdog does.
-    """
+    hvdtrain's watchdog ends it under MPI and Gloo alike, naming where each rank waits."""
     started = time.monotonic()
     done = run([*LAUNCHERS[launcher], sys.executable, str(ROOT / "tests/workers/stall.py"), "6"], timeout=60)
     output = done.stdout + done.stderr
     assert done.returncode != 0 and time.monotonic() - started < 45
-    if launcher == "mpirun":  # Horovod's report: which ranks have not joined which collective
-        assert "Missing ranks:" in output and ("allreduce.train_step" in output or "allreduce.evaluate" in output)
-        assert "the job stopped in a collective" in output
-    else:
-        line = next(line for line in output.splitlines() if "the job stalled" in line)
-        assert "rank 0 waited" in line and "in allreduce 'evaluate' at evaluation (train.stall_timeout 6 s)" in line
-        assert "not there: rank 1 (in allreduce 'train_step' at batch 4 for" in line
-    assert "Traceback" not in output
-
-
-@pytest.mark.parametrize("launcher", HOROVOD_AND_TORCH)
-def test_a_rank_stuck_in_its_step_is_named_under_gloo(launcher, tmp_path):
-    """Horovod's Gloo controller and the torch engine: hvdtrain's own stall watchdog names the rank.
-    The stuck rank notes the launcher's SIGTERM for a step that never comes: it is killed 5 s later
-    under either launcher (torchrun's own wait was 30 s, and this test took 42 s)."""
-    started = time.monotonic()
-    done = fit_under(launcher, "--model", "user_code:stuck_on_rank_1", "--set", "train.stall_timeout=6",
-                     "--run-dir", str(tmp_path / "run"), timeout=90)
-    assert done.returncode != 0 and time.monotonic() - started < 36, done.stderr[-3000:]
-    errors = [line for line in done.stderr.splitlines() if "the job stalled" in line]
-    assert len(errors) == 1, done.stderr[-3000:]
-    assert "rank 0 waited" in errors[0] and "in the gradient allreduce at epoch 1, training after step 2" in errors[0]
-    assert "not there: rank 1 (computing at epoch 1, training after step 2)" in errors[0]
+    line = next(line for line in output.splitlines() if "the job stalled" in line)
+    assert "rank 0 waited" in line and "in allreduce 'evaluate' at evaluation (train.stall_timeout 6 s)" in line
+    assert "not there: rank 1 (in allreduce 'train_step' at batch 4 for" in line
+    assert "Traceback" not in output and "Missing ranks:" not in output  # Horovod's inspector had no need to act
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun-mpi", "mpirun"])

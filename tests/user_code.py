@@ -22,6 +22,14 @@ class Blobs(Dataset):
         return self.x[index], self.y[index]
 
 
+def _say_stuck() -> None:
+    """Creates the file HVDTRAIN_TEST_STUCK_FILE names, if any: a test learns when a rank got stuck."""
+    import os
+
+    if os.environ.get("HVDTRAIN_TEST_STUCK_FILE"):
+        open(os.environ["HVDTRAIN_TEST_STUCK_FILE"], "w").close()
+
+
 def _rank() -> int:
     """This process's rank as its launcher set it (horovodrun, mpirun or torchrun), 0 alone."""
     from hvdtrain.engine import launcher_rank
@@ -135,7 +143,7 @@ def paced_mlp(input_shape, num_classes):
 
 
 class _StuckOnRank1(nn.Module):
-    """Rank 1 never finishes its third training forward pass, as a deadlocked data reader would."""
+    """Rank 1 never finishes its fifth training forward pass (step 5), as a deadlocked model would."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
@@ -146,8 +154,10 @@ class _StuckOnRank1(nn.Module):
 
         if self.training and _rank() == 1:
             self.calls += 1
-            while self.calls >= 3:
-                time.sleep(1)
+            if self.calls == 5:
+                _say_stuck()
+            while self.calls >= 5:
+                time.sleep(1)  # rank 1 stuck in its forward
         return self.inner(x)
 
 
@@ -736,3 +746,43 @@ def short_stream():
 def paced_records(input_shape, num_classes):
     """`records_indices` paced as `paced_mlp` (and held as it is), for elastic training on `indexed` data."""
     return _Paced(records_indices(input_shape, num_classes), 0.05)
+
+
+class _HeldOnRank1(Dataset):
+    """Blobs whose reads on rank 1 hold: for ever from the `stuck_at`-th sample on (a hung file system),
+    or `slow` seconds each (a slow disk)."""
+
+    classes = Blobs.classes
+
+    def __init__(self, n: int, stuck_at: float = float("inf"), slow: float = 0.0):
+        self.blobs, self.stuck_at, self.slow, self.reads = Blobs(n), stuck_at, slow, 0
+
+    def __len__(self):
+        return len(self.blobs)
+
+    def __getitem__(self, index):
+        import time
+
+        if _rank() == 1:
+            self.reads += 1
+            if self.reads == self.stuck_at:
+                _say_stuck()
+            while self.reads >= self.stuck_at:
+                time.sleep(1)  # rank 1 stuck reading its data
+            time.sleep(self.slow)
+        return self.blobs[index]
+
+
+def stuck_reading_on_rank_1():
+    """Rank 1's training data hangs at its 5th batch (batch 16, samples of 240 over 2 ranks)."""
+    return _HeldOnRank1(240, stuck_at=4 * 16 + 1), Blobs(60)
+
+
+def stuck_before_evaluation_on_rank_1():
+    """Rank 1's validation data hangs at its first sample: rank 1 never reaches evaluation's allreduce."""
+    return Blobs(240), _HeldOnRank1(60, stuck_at=1)
+
+
+def slow_reading_on_rank_1():
+    """Rank 1 reads each training sample 4 ms slower than rank 0: a straggler waiting for its data."""
+    return _HeldOnRank1(480, slow=0.004), Blobs(60)

@@ -1,5 +1,7 @@
 """`hvdtrain plot`: loss and every validation metric against epoch and against wall time, one
-colour per run, so that runs (np=1 against np=4, say) can be compared at a glance."""
+colour per run, so that runs (np=1 against np=4, say) can be compared at a glance; and, for runs of
+several processes, each rank's seconds per epoch outside collectives (data + compute) and in data
+alone, so that a slow rank stands out."""
 
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ from hvdtrain.after.runs import RunRecord
 
 # Record keys that are not curves.
 _SKIP = {"val_samples", "val_loss"}
+RANK_TIMES = "rank seconds"
+"""The row of each rank's times (metrics.jsonl's rank_data_s, rank_compute_s)."""
+_RANK_STYLES = ("-", "--", ":", "-.")
 
 
 def panels(runs: list[RunRecord]) -> list[str]:
@@ -17,7 +22,8 @@ def panels(runs: list[RunRecord]) -> list[str]:
     for run in runs:
         for record in run.epochs:
             metrics += [k for k in record if k.startswith("val_") and k not in _SKIP and k not in metrics]
-    return ["loss", *metrics, "train_samples_per_s"]
+    ranks = any("rank_data_s" in record for run in runs for record in run.epochs)
+    return ["loss", *metrics, "train_samples_per_s", *([RANK_TIMES] if ranks else [])]
 
 
 def draw(runs: list[RunRecord], output: Path) -> None:
@@ -43,6 +49,8 @@ def draw(runs: list[RunRecord], output: Path) -> None:
                 if name == "loss":
                     _line(ax, xs, run, "train_loss", colour, f"{label} train", "-")
                     _line(ax, xs, run, "val_loss", colour, f"{label} val", "--")
+                elif name == RANK_TIMES:
+                    _rank_lines(ax, xs, run, colour, label)
                 else:
                     _line(ax, xs, run, name, colour, label, "-")
     for row, name in enumerate(rows):
@@ -54,6 +62,8 @@ def draw(runs: list[RunRecord], output: Path) -> None:
             ax.grid(alpha=0.3)
             if name in ("loss", "val_perplexity") and _all_positive(runs, name):
                 ax.set_yscale("log")
+            if name == RANK_TIMES and not column:
+                ax.legend(fontsize="x-small")
     axes[0][0].legend(fontsize="small")
     figure.suptitle("  vs  ".join(str(run.path) for run in runs)[:150])
     figure.tight_layout()
@@ -66,6 +76,17 @@ def _line(ax, xs: list[float], run: RunRecord, key: str, colour: str, label: str
     points = [(x, r[key]) for x, r in zip(xs, run.epochs) if isinstance(r.get(key), (int, float))]
     if points:
         ax.plot(*zip(*points), style, color=colour, label=label, marker="o", markersize=3)
+
+
+def _rank_lines(ax, xs: list[float], run: RunRecord, colour: str, label: str) -> None:
+    """Each rank's data + compute seconds per epoch (a line style per rank), its data seconds as dots."""
+    rows = [(x, r["rank_data_s"], r["rank_compute_s"]) for x, r in zip(xs, run.epochs) if "rank_data_s" in r]
+    for rank in range(len(rows[0][1]) if rows else 0):
+        busy = [(x, data[rank] + compute[rank]) for x, data, compute in rows]
+        style = _RANK_STYLES[rank % len(_RANK_STYLES)]
+        ax.plot(*zip(*busy), style, color=colour, marker="o", markersize=3, label=f"{label} rank {rank}")
+        ax.plot([x for x, _, _ in rows], [data[rank] for _, data, _ in rows], "x", color=colour, markersize=4,
+                label=f"{label} rank {rank} data" if rank == 0 else None)
 
 
 def _all_positive(runs: list[RunRecord], name: str) -> bool:

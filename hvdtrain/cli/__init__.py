@@ -15,7 +15,7 @@ from typing import Sequence
 
 import click
 
-from hvdtrain.cli import after, fit, tools
+from hvdtrain.cli import after, fit, tools, where
 from hvdtrain.cli.common import fail, report_and_exit
 
 
@@ -31,7 +31,7 @@ def cli() -> None:
 
 
 for command in (fit.fit, fit.plan, after.evaluate, after.predict, after.export_model, after.plot, after.list_runs,
-                tools.bench, tools.doctor, tools.show_config):
+                tools.bench, tools.doctor, tools.show_config, where.where):
     cli.add_command(command)
 
 

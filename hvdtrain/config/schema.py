@@ -51,8 +51,11 @@ class TrainConfig:
     checkpoint `reduce` averages them over ranks, `broadcast` takes rank 0's, `off` leaves each rank
     its own (validation then uses each rank's, and `evaluate` of a checkpoint differs from fit's)."""
     stall_timeout: int = 300
-    """dist: seconds a collective may wait for missing ranks before the job stops, naming them
-    (Horovod's stall inspector under MPI, hvdtrain's watchdog under Gloo; 0 switches it off)."""
+    """dist: seconds a collective may wait for missing ranks before the job stops, saying where every rank
+    was (each one's Python stack, kept in the run directory's where/); 0 switches it off."""
+    straggler_factor: float = 1.5
+    """dist: name a rank in the epoch's line when its time outside collectives (data + compute) is over this
+    many times the other ranks' median, with where its time went (README, When a job hangs or is slow); 0: off."""
     keep_freed_memory: bool = True
     """Keep large freed host blocks for reuse instead of returning them to the OS each step
     (glibc's mmap and trim thresholds; +15% samples/s on the CPU benchmark)."""
@@ -79,6 +82,8 @@ class TrainConfig:
         require(self.accumulate >= 1, "train.accumulate", f"must be at least 1, got {self.accumulate}")
         require(self.threads >= 0, "train.threads", f"must be 0 (auto) or more, got {self.threads}")
         require(self.commit_every >= 1, "train.commit_every", f"must be at least 1, got {self.commit_every}")
+        require(self.straggler_factor == 0 or self.straggler_factor > 1, "train.straggler_factor",
+                f"must be 0 (off) or more than 1, got {self.straggler_factor}")
         require(self.stall_timeout >= 0, "train.stall_timeout", f"must be 0 (off) or more, got {self.stall_timeout}")
         require(self.early_stopping_patience is None or self.early_stopping_patience >= 1, "train.early_stopping_patience",
                 f"must be at least 1, got {self.early_stopping_patience}")

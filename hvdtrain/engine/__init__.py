@@ -98,6 +98,7 @@ def _start(engine_type: Any, device: str, threads: int, stall_timeout: int) -> E
     torch.set_num_threads(_threads_per_process(threads, local_size))
     global _started
     _started = engine_type.start(engine_device, stall_timeout)
+    _started.watch(stall_timeout, elastic=os.environ.get("HOROVOD_ELASTIC") == "1")  # dist
     return _started
 
 

@@ -65,6 +65,18 @@ class Engine(ABC):
     def at(self, where: str) -> None:
         """Where the training loop is now; a stall report names it."""
 
+    def doing(self, phase: str) -> str:
+        """What the training thread does now (data loading, forward, ...): a stall report names it and the
+        straggler check adds up its time. Returns the phase it left."""
+        return ""
+
+    def phase_seconds(self) -> tuple[float, float, float]:
+        """(data loading, waiting in collectives, all) seconds of this rank so far: the straggler check's clock."""
+        return 0.0, 0.0, 0.0
+
+    def report_into(self, run_dir: Path) -> None:
+        """Rank 0: stall reports and `hvdtrain where` keep every rank's stacks in `run_dir`."""
+
     def is_engine_signal(self, err: BaseException) -> bool:
         """Whether `err` is the engine's own: its collectives stopped (another rank failed or
         left), or, in elastic training, the set of processes changed."""

@@ -13,7 +13,8 @@ import torch
 from hvdtrain.engine.base import ElasticState, GradientSync, T
 from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.errors import UserError
-from hvdtrain.engine.watchdog import Activity, KeyValueBoard, StallWatchdog
+from hvdtrain.engine.activity import Activity
+from hvdtrain.engine.watchdog import Board, KeyValueBoard, StallWatchdog
 
 try:
     import horovod.torch as hvd
@@ -72,10 +73,11 @@ class HorovodEngine(WatchedEngine):
                 "run launch/install.sh, or run hvdtrain fit alone without horovodrun/mpirun"
             )
         if stall_timeout > 0:
-            # dist: a collective some ranks never join becomes an error naming them, not a hang.
+            # dist: hvdtrain's watchdog reports a stall first, with every rank's stack; Horovod's stall
+            # inspector is the last resort behind it (a rank that could not reach rank 0's report port).
             # Horovod reads these at init; a user's own settings win.
-            os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, min(60, stall_timeout // 2))))
-            os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(stall_timeout))
+            os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(stall_timeout + 15))
+            os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(stall_timeout + 30))
         for name, value in MPI_SETTINGS.items():  # read by MPI_Init; a user's own settings win
             os.environ.setdefault(name, value)
         if timeline:
@@ -90,14 +92,10 @@ class HorovodEngine(WatchedEngine):
     @classmethod
     def start(cls, device: torch.device, stall_timeout: int = 0) -> "HorovodEngine":
         controller = "mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled() else "unknown"
-        engine = cls(device, controller)
-        board = KeyValueBoard.from_environment()
-        if stall_timeout > 0 and controller == "gloo" and board is not None:
-            # dist: Horovod's stall inspector covers MPI only; under Gloo a collective
-            # that some rank never joins would otherwise wait forever.
-            engine._watchdog = StallWatchdog(engine.activity, board, stall_timeout,
-                                             rank=hvd.rank, size=hvd.size).start()
-        return engine
+        return cls(device, controller)
+
+    def _board(self) -> Board | None:
+        return KeyValueBoard.from_environment() if self.controller == "gloo" else None
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                        sync: GradientSync) -> torch.optim.Optimizer:

@@ -27,7 +27,8 @@ from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.engine.buckets import BucketHooks, buckets, grads_with_flags, set_gradient
 from hvdtrain.engine.environment import launcher_facts, port_for_job, slurm_first_node
 from hvdtrain.errors import RendezvousFailed, UserError, message_lines
-from hvdtrain.engine.watchdog import Activity, StallWatchdog
+from hvdtrain.engine.activity import Activity
+from hvdtrain.engine.watchdog import Board, StallWatchdog
 
 # What Gloo's TCP transport says when the rank at the other end of a collective has gone.
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "gloo/transport/tcp")
@@ -87,11 +88,11 @@ class TorchEngine(WatchedEngine):
                 "(set MASTER_PORT, or HVDTRAIN_INIT_METHOD=tcp://HOST:PORT, to a free one), or the host may not "
                 "be rank 0's or not reachable from this one (MASTER_ADDR)") from err
         engine = cls(device, facts, where)
-        if stall_timeout > 0:
-            # dist: a collective that some rank never joins ends the job with a line naming that rank.
-            engine._watchdog = StallWatchdog(engine.activity, _StoreBoard(store), stall_timeout,
-                                             rank=lambda: engine.rank, size=lambda: engine.size).start()
+        engine._store = store
         return engine
+
+    def _board(self) -> Board | None:
+        return _StoreBoard(self._store)
 
     def describe(self) -> str:
         return f"{super().describe()} rendezvous {self.rendezvous}"

@@ -1,26 +1,26 @@
-"""A stall timeout for Horovod's Gloo controller and the torch engine: a collective that
-waits too long ends the job.
+"""A stall timeout for every engine of several processes: a collective that waits too long ends the
+job, saying where every rank was.
 
-Horovod's own stall inspector stops a job only under MPI. Here each rank records
-where it is (`Activity`, updated by the engine at every collective and by the loop at
-every batch) and a background thread publishes that to a key-value store the job
-already runs (horovodrun's Gloo rendezvous; the torch engine's process-group store).
-When a rank has waited in one collective for longer than the timeout, it reads every
-rank's entry, names the ranks that are not in that collective with it, and exits; the
-launcher then stops the others.
+Each rank records where it is (`Activity`, updated by the engine at every collective and by the loop
+at every phase of a step). When a rank has waited in one collective for longer than the timeout, rank
+0 asks every rank for its stacks over the report channel (`whereabouts`), prints who was not there and
+where, and exits; the launcher then stops the others. Without that channel (elastic training, or a rank
+that could not reach rank 0), a background thread publishes each rank's Activity to a key-value store
+the job already runs (horovodrun's Gloo rendezvous; the torch engine's process-group store) and the
+rank that waited names from there the ranks not in its collective.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import threading
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Any, Callable, Protocol
+
+from hvdtrain.engine.activity import Activity
 
 _SCOPE = "hvdtrain-activity"
 # A rank that is not the one to report waits this long before it exits itself, so
@@ -29,41 +29,6 @@ _GRACE_SECONDS = 5.0
 # How long stopping waits for the thread: it is back at once unless a store call is stuck on a rank
 # that is gone (a failing job, which ends non-zero anyway and must not wait for it).
 _STOP_SECONDS = 2.0
-
-
-@dataclass
-class Activity:
-    """Where this rank is; written by the training thread, read by the watchdog."""
-
-    where: str = "set-up"
-    collective: str | None = None
-    """The collective this rank waits in, or None while it computes."""
-    since: float = 0.0
-    """time.time() when `collective` began (wall clock: compared across hosts)."""
-
-    def at(self, where: str) -> None:
-        self.where = where
-
-    @contextlib.contextmanager
-    def waiting(self, collective: str) -> Iterator[None]:
-        self.collective, self.since = collective, time.time()
-        try:
-            yield
-        finally:
-            self.collective = None
-
-    def to_json(self) -> str:
-        """As published on a board."""
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "Activity":
-        return cls(**json.loads(text))
-
-    def describe(self) -> str:
-        if self.collective is None:
-            return f"computing at {self.where}"
-        return f"in {self.collective} at {self.where} for {time.time() - self.since:.0f} s"
 
 
 class KeyValueBoard:
@@ -103,10 +68,10 @@ class Board(Protocol):
 class StallWatchdog:
     """Ends the process when its collective has waited `timeout` seconds, naming the laggards."""
 
-    def __init__(self, activity: Activity, board: Board, timeout: float,
-                 rank: Callable[[], int], size: Callable[[], int]):
+    def __init__(self, activity: Activity, board: Board | None, timeout: float,
+                 rank: Callable[[], int], size: Callable[[], int], whereabouts: Any = None):
         self.activity, self.board, self.timeout = activity, board, timeout
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.whereabouts = rank, size, whereabouts
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hvdtrain-stall-watchdog", daemon=True)
 
@@ -130,8 +95,8 @@ class StallWatchdog:
             except ValueError:  # Horovod shut down (or is re-initialising in elastic training)
                 continue
             # One copy per pass: the training thread changes the live one meanwhile.
-            current = Activity(**asdict(self.activity))
-            if current != published:
+            current = self.activity.snapshot()
+            if self.board is not None and current != published:
                 with contextlib.suppress(OSError, RuntimeError):  # the store is unreachable: next pass
                     self.board.publish(rank, current)
                     published = current
@@ -139,8 +104,12 @@ class StallWatchdog:
                 self._stalled(rank, current)
 
     def _stalled(self, rank: int, mine: Activity) -> None:
+        if self.whereabouts is not None and self.whereabouts.report_stall(rank, mine, self.timeout):
+            time.sleep(_GRACE_SECONDS)  # rank 0 reported and left; the launcher stops this rank meanwhile
+            os._exit(1)
         now = time.time()
-        others = {other: self.board.read(other) for other in range(self.size()) if other != rank}
+        board = self.board
+        others = {other: board.read(other) if board else None for other in range(self.size()) if other != rank}
         missing = [f"rank {r} ({a.describe() if a else 'never reported'})" for r, a in others.items()
                    if a is None or (a.collective, a.where) != (mine.collective, mine.where)]
         if any(r < rank and a and a.collective and now - a.since > self.timeout for r, a in others.items()):

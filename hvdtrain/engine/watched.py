@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import contextlib
 from abc import abstractmethod
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
 from hvdtrain.engine.base import Engine, GradientSync
 from hvdtrain.engine.sharded import ShardCollectives, ShardedGradients
-from hvdtrain.engine.watchdog import Activity, StallWatchdog
+from hvdtrain.engine.activity import Activity
+from hvdtrain.engine.watchdog import Board, StallWatchdog
+from hvdtrain.engine.whereabouts import Whereabouts
 from hvdtrain.errors import note_where_the_job_stood
 
 
@@ -23,9 +26,33 @@ class WatchedEngine(Engine):
 
     activity: Activity
     _watchdog: StallWatchdog | None = None
+    whereabouts: Whereabouts | None = None
+
+    def watch(self, stall_timeout: int, elastic: bool) -> None:
+        """dist: every rank, once started: the report channel to rank 0 (not in elastic training, whose
+        ranks change) and the stall watchdog (stall_timeout 0: none)."""
+        if not elastic:
+            self.whereabouts = Whereabouts.open(self)
+        if stall_timeout > 0:
+            self._watchdog = StallWatchdog(self.activity, self._board(), stall_timeout, rank=lambda: self.rank,
+                                           size=lambda: self.size, whereabouts=self.whereabouts).start()
+
+    def _board(self) -> Board | None:
+        """Where ranks publish their Activity for a stall report without the report channel."""
+        return None
 
     def at(self, where: str) -> None:
         self.activity.at(where)
+
+    def doing(self, phase: str) -> str:
+        return self.activity.enter(phase)
+
+    def phase_seconds(self) -> tuple[float, float, float]:
+        return self.activity.clock()
+
+    def report_into(self, run_dir: Path) -> None:
+        if self.whereabouts is not None:
+            self.whereabouts.report_into(run_dir)
 
     @contextlib.contextmanager
     def _collective(self, name: str) -> Iterator[None]:
@@ -105,6 +132,8 @@ class WatchedEngine(Engine):
     def shutdown(self, finished: bool = False) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()  # and joined: its thread must not be inside the engine's calls at exit
+        if self.whereabouts is not None:
+            self.whereabouts.close()
         self._shutdown(finished)
 
     @abstractmethod

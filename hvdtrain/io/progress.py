@@ -58,8 +58,9 @@ def epoch_line(record: dict[str, Any]) -> str:
     """Rank 0's line per epoch: the training loss and every validation metric."""
     metrics = "  ".join(f"{key} {value:.4f}" for key, value in record.items()
                         if key == "train_loss" or (key.startswith("val_") and key != "val_samples"))
+    slow = f"  slow: {record['stragglers']}" if record.get("stragglers") else ""
     return (f"epoch {record['epoch']}/{record['epochs']}  {metrics}  "
-            f"{record['train_samples_per_s']:,.0f} samples/s  {record['elapsed_s']:.1f}s")
+            f"{record['train_samples_per_s']:,.0f} samples/s  {record['elapsed_s']:.1f}s{slow}")
 
 
 def say(message: str) -> None:

@@ -102,8 +102,10 @@ class Callbacks:
             method = getattr(callback, hook, None)
             if method is None:
                 continue
+            left = engine.doing(f"callback {_name(callback)}.{hook}")
             try:
                 method(state, *args)
+                engine.doing(left)
             except Exception as err:  # dist: only this rank knows: it says so itself, every rank stops
                 failed = FailedAt(f"rank {engine.rank} failed at epoch {epoch}, step {step}: callback "
                                   f"{_name(callback)}.{hook} raised {type(err).__name__}: {message_lines(err)}"

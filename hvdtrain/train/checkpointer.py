@@ -81,6 +81,7 @@ class Checkpointer:
         engine, timeout = self.engine, self.config.run.checkpoint_timeout
         with engine.agree("checkpoint"):  # dist: the others learn how rank 0's write went
             engine.at("waiting for rank 0 to write a checkpoint")
+            engine.doing("a checkpoint write")
             started, pieces = time.monotonic(), []
             writer, late, failed = None, False, False
             for sender in range(1, engine.size) if engine.gradient_shards is not None else ():

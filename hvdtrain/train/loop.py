@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
 
 from hvdtrain.data.batch import batch_size, to_device
 from hvdtrain.engine import Engine
+from hvdtrain.engine.activity import DATA_LOADING
 from hvdtrain.numerics.metrics import MetricSums
 from hvdtrain.numerics.precision import FP32, Precision
 from hvdtrain.tasks import Task, batch_metrics, training_loss
@@ -88,10 +89,12 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 def forward_backward(model: nn.Module, task: Task, batch: Any, precision: Precision = FULL_PRECISION,
-                     accumulate: int = 1) -> torch.Tensor:
-    """One (micro-)batch's loss and backward pass; returns the loss, detached."""
+                     accumulate: int = 1, doing: Callable[[str], Any] = lambda phase: None) -> torch.Tensor:
+    """One (micro-)batch's loss and backward pass; returns the loss, detached. `doing` hears of each phase."""
+    doing("forward")
     with precision.autocast():
         loss = training_loss(task, model, batch)
+    doing("backward")
     precision.backward(loss / accumulate)  # dist: Horovod allreduces after `accumulate` passes
     return loss.detach()
 
@@ -129,7 +132,7 @@ def train_epoch(training: Training, engine: Engine, batches: Iterable, *, first_
     window_losses: list[torch.Tensor] = []  # this step's micro-batch losses, to name a bad rank
     window_batches: list[Any] = []  # and its batches, to tell bad data from a bad step
     window_samples = 0
-    for index, batch in enumerate(batches):
+    for index, batch in enumerate(_loading(batches, engine)):
         if index % accumulate == 0:  # before the forward: Adasum steps inside backward
             for group in optimizer.param_groups:  # a user's optimizer's groups keep their ratios
                 group["lr"] = learning_rate(step) * group.get("lr_ratio", 1.0)
@@ -138,10 +141,11 @@ def train_epoch(training: Training, engine: Engine, batches: Iterable, *, first_
         if training.augment is not None:  # each micro-batch draws its own; dist: each rank its own
             batch = training.augment(batch, epoch, step * accumulate + index % accumulate, engine.rank)
         size = batch_size(batch)
-        loss = forward_backward(model, task, batch, precision, accumulate)
+        loss = forward_backward(model, task, batch, precision, accumulate, engine.doing)
         window_losses.append(loss * size)
         window_samples += size
         if (index + 1) % accumulate == 0:
+            engine.doing("the optimizer step")
             if apply_gradients(model, optimizer, engine, training.clip_grad_norm, precision, check_finite=True):
                 loss_sum += torch.stack(window_losses).sum()
                 sums.kept += window_samples
@@ -153,11 +157,22 @@ def train_epoch(training: Training, engine: Engine, batches: Iterable, *, first_
             window_losses, window_batches, window_samples = [], [], 0
             step += 1
             if on_step is not None:
+                engine.doing("after the step")
                 sums.loss = loss_sum  # a tensor until read: reading it would wait for the device
                 on_step(step, loss)
+    engine.doing("the epoch's end")
     totals = engine.allreduce_sum(
         torch.stack([loss_sum, loss_sum.new_tensor(sums.samples), loss_sum.new_tensor(sums.kept)]).cpu(), "train_loss")
     return EpochResult(float(totals[0]) / max(1, int(totals[2])), int(totals[1]), sums.skipped), step
+
+
+def _loading(batches: Iterable, engine: Engine) -> Iterator[Any]:
+    """The batches; the wait for each is the phase `data loading` (a stall report's, the straggler check's)."""
+    engine.doing(DATA_LOADING)
+    for batch in batches:
+        engine.doing("batch to device")
+        yield batch
+        engine.doing(DATA_LOADING)
 
 
 def _stop_on_nonfinite(engine: Engine, step: int, local_loss: torch.Tensor, window: list[Any]) -> None:
@@ -205,6 +220,7 @@ def evaluate(model: nn.Module, engine: Engine, task: Task, batches: Iterable, te
              precision: Precision = FULL_PRECISION, channels_last: bool = False) -> EvalResult:
     """The task's metrics over every validation sample, each counted once across ranks."""
     model.eval()
+    engine.doing("evaluation")
     sums = MetricSums(engine.device, {**template, "_samples": (torch.Size(), torch.Size())})
     for batch in batches:
         batch = to_device(batch, engine.device, channels_last)

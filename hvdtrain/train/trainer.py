@@ -32,6 +32,7 @@ from hvdtrain.train.schedule import learning_rate
 from hvdtrain.train.setup import (Run, Shard, build, check_same_data, check_task, holdings_line, keep_learning_rate,
                                   shard)
 from hvdtrain.train.stop_policy import NeverStop, StopPolicy
+from hvdtrain.train.stragglers import RankTimes, gather_times, stragglers
 from hvdtrain.train.summary import Totals, say_how_it_ended, summarize
 
 
@@ -58,6 +59,8 @@ class _Epoch:
     sums: EpochSums
     where: str
     """Where a failure of the user's code is reported."""
+    times: RankTimes | None = None
+    """Each rank's training time, split (at the epoch's end)."""
 
 
 class Trainer:
@@ -122,6 +125,8 @@ class Trainer:
         self.loggers.open(start.epoch, step, f"world size {engine.size}, global batch {steps.samples}, "
                           f"{len(self.shard.sampler)} batches per rank per epoch", self.shard.sampler.dropped_note())
         self.checkpointer = Checkpointer(self.run, config, engine, run_dir, self.best)
+        if engine.is_root:  # stall reports and `hvdtrain where` keep every rank's stacks here
+            engine.report_into(run_dir)
         return step
 
     # --- the epochs
@@ -138,7 +143,7 @@ class Trainer:
         and checkpoints. Returns the next step number."""
         now = self._begin_epoch(epoch, step, resumed)
         train, val, step, seconds = self._train_and_evaluate(now)
-        metrics = self._record(now, train, val, step, seconds)
+        metrics = self._record(now, train, val, step, seconds, now.times)
         last = epoch == self.config.train.epochs
         saved = epoch % self.config.run.checkpoint_every == 0 or last
         if saved:
@@ -172,12 +177,13 @@ class Trainer:
     def _train_and_evaluate(self, now: _Epoch) -> tuple[EpochResult, EvalResult, int, float]:
         engine, run, epoch = self.engine, self.run, now.number
         engine.at(f"epoch {epoch}, training from step {now.first_step}")
-        epoch_start = time.perf_counter()
+        epoch_start, clock = time.perf_counter(), engine.phase_seconds()
         try:
             train, step = train_epoch(self.training, engine, self.shard.train_batches, first_step=now.first_step,
                                       epoch=epoch,
                                       sums=now.sums, on_step=functools.partial(self._after_step, now))
             seconds = time.perf_counter() - epoch_start
+            now.times = gather_times(engine, clock)  # dist: where each rank's time went
             self.loggers.end_epoch()  # type: ignore[union-attr]
             engine.at(f"epoch {epoch}, evaluation")
             now.where = f"epoch {epoch}, evaluation"
@@ -210,8 +216,10 @@ class Trainer:
             self.loggers.end_epoch()  # type: ignore[union-attr]
             raise stop()
 
-    def _record(self, now: _Epoch, train: EpochResult, val: EvalResult, step: int, seconds: float) -> dict[str, float]:
-        """The epoch's record, into the loggers; returns its validation metrics."""
+    def _record(self, now: _Epoch, train: EpochResult, val: EvalResult, step: int, seconds: float,
+                times: RankTimes | None) -> dict[str, float]:
+        """The epoch's record (each rank's times, and the slow ones named), into the loggers; returns its
+        validation metrics."""
         totals = self.totals
         totals.train_seconds += seconds
         totals.train_samples += train.samples
@@ -223,6 +231,9 @@ class Trainer:
             "train_samples_per_s": train.samples / seconds, "lr": self.learning_rate(step),
             "elapsed_s": time.perf_counter() - totals.started,
         }
+        if times is not None:
+            slow = stragglers(times, self.config.train.straggler_factor)
+            totals.record.update(times.record(), **({"stragglers": slow} if slow else {}))
         self.loggers.log_epoch(totals.record)  # type: ignore[union-attr]
         return metrics
 

@@ -1,0 +1,41 @@
+"""`hvdtrain where RUN_DIR`: asks a running job, from another terminal on rank 0's host, where every rank
+is now (each one's Python stack and phase), without stopping it."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import click
+
+from hvdtrain.errors import UserError
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the answer.")
+def where(run_dir: str, timeout: float) -> None:
+    """Where every rank of a running job is now: its phase and Python stack (the job goes on). Run it on
+    rank 0's host; every rank's whole stack is kept in RUN_DIR/where/."""
+    from hvdtrain.engine.report_channel import request
+    from hvdtrain.engine.whereabouts import LIVE_FILE
+
+    live = Path(run_dir) / LIVE_FILE
+    try:
+        facts = json.loads(live.read_text())
+    except FileNotFoundError:
+        raise UserError(f"no job is running in {run_dir} (no {LIVE_FILE}: it ended, has not reached its first epoch "
+                        "yet, runs as one process without a launcher, or runs with --elastic)") from None
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read {live}: {getattr(err, 'strerror', None) or err}") from None
+    host = "127.0.0.1" if facts["host"] == socket.gethostname() else facts["host"]
+    try:
+        answer = request(host, facts["port"], {"token": facts["token"], "ask": "where"}, timeout)
+    except OSError as err:
+        raise UserError(f"the job in {run_dir} does not answer (rank 0: pid {facts['pid']} on {facts['host']}, port "
+                        f"{facts['port']}: {getattr(err, 'strerror', None) or err}); it may have been killed before "
+                        f"it could remove {LIVE_FILE}") from None
+    if answer is None:
+        raise UserError(f"rank 0 of the job in {run_dir} did not answer within {timeout:g} s: raise --timeout")
+    click.echo(f"hvdtrain where: {answer['text']}")

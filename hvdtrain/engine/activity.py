@@ -1,0 +1,83 @@
+"""Where this rank is and where its time goes: written by the training thread at every phase and
+collective (a few attribute writes per step), read by the stall watchdog, by a report of every rank's
+whereabouts (`engine.whereabouts`) and, once per epoch, by the straggler check (`train.stragglers`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+DATA_LOADING = "data loading"
+"""The phase a rank waits for its next training batch in; its time is the straggler check's `data`."""
+
+
+@dataclass
+class Activity:
+    """Where this rank is; written by the training thread, read by the watchdog and the reports."""
+
+    where: str = "set-up"
+    collective: str | None = None
+    """The collective this rank waits in, or None while it computes."""
+    since: float = 0.0
+    """time.time() when `collective` began (wall clock: compared across hosts)."""
+    phase: str = "set-up"
+    """What the training thread does outside collectives: data loading, forward, backward, the optimizer
+    step, evaluation, a checkpoint write, a callback."""
+    phase_since: float = field(default_factory=time.time, compare=False)
+    """time.time() when `phase` began."""
+    spent: dict[str, float] = field(default_factory=dict, compare=False)
+    """Seconds spent in each phase so far (perf_counter), waits in collectives included."""
+    waited: float = field(default=0.0, compare=False)
+    """Seconds spent waiting in collectives so far."""
+    _entered: float = field(default_factory=time.perf_counter, compare=False, repr=False)
+
+    def at(self, where: str) -> None:
+        self.where = where
+
+    def enter(self, phase: str) -> str:
+        """The training thread begins `phase`; the time since the last one goes to that one, which is returned."""
+        now, left = time.perf_counter(), self.phase
+        self.spent[left] = self.spent.get(left, 0.0) + now - self._entered
+        self.phase, self._entered, self.phase_since = phase, now, time.time()
+        return left
+
+    def clock(self) -> tuple[float, float, float]:
+        """(data loading, waiting in collectives, now) in seconds of perf_counter: differences of two
+        readings are where an epoch's time went."""
+        now = time.perf_counter()
+        loading = self.spent.get(DATA_LOADING, 0.0) + (now - self._entered if self.phase == DATA_LOADING else 0.0)
+        return loading, self.waited, now
+
+    @contextlib.contextmanager
+    def waiting(self, collective: str) -> Iterator[None]:
+        self.collective, self.since = collective, time.time()
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.collective = None
+            self.waited += time.perf_counter() - began
+
+    def snapshot(self) -> "Activity":
+        """A copy, as one pass of a reader sees it (the training thread changes the live one meanwhile)."""
+        return Activity(self.where, self.collective, self.since, self.phase, self.phase_since, dict(self.spent),
+                        self.waited)
+
+    def to_json(self) -> str:
+        """As published on a board: where it is, not its clocks."""
+        return json.dumps({key: value for key, value in asdict(self).items() if key in _PUBLISHED})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Activity":
+        return cls(**{key: value for key, value in json.loads(text).items() if key in _PUBLISHED})
+
+    def describe(self) -> str:
+        if self.collective is None:
+            return f"in {self.phase} at {self.where}"
+        return f"in {self.collective} at {self.where} for {time.time() - self.since:.0f} s"
+
+
+_PUBLISHED = ("where", "collective", "since", "phase", "phase_since")

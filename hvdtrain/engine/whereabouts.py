@@ -1,0 +1,208 @@
+"""Where every rank is: rank 0 gathers each rank's report (`stacks`) over the report channel at a stall
+and when asked from another terminal (`hvdtrain where RUN_DIR`), prints a summary (which ranks wait
+where; the stack of each rank that is elsewhere, the user's frames first) and keeps every rank's whole
+report in the run directory, under `where/`.
+
+Ranks on other hosts are reached through the connection each of them opened to rank 0 at start-up
+(to the address rank 0's host uses towards the launcher's rendezvous, else its names), so `hvdtrain
+where` runs on rank 0's host only and needs nothing open on the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hvdtrain.engine.activity import Activity
+from hvdtrain.engine.report_channel import ANSWER_SECONDS, RankLink, ReportServer, own_addresses, request
+from hvdtrain.engine.stacks import frame_line, main_frames, rank_report, report_text, state, user_frames
+
+LIVE_FILE = "where.json"
+"""In a running job's run directory: how `hvdtrain where` reaches rank 0 (removed when the job ends)."""
+FOLDER = "where"
+_USER_FRAMES, _OTHER_FRAMES = 4, 2  # per rank in a summary; the files have every frame
+
+
+class Whereabouts:
+    """This rank's part: rank 0 serves (`server`), every other rank answers over its `link`."""
+
+    def __init__(self, rank: int, size: int, device: str, activity: Activity):
+        self.rank, self.size, self.device, self.activity = rank, size, device, activity
+        self.server: ReportServer | None = None
+        self.link: RankLink | None = None
+        self.contact: tuple[str, int, str] | None = None  # (host, port, token) of rank 0's server
+        self.run_dir: Path | None = None
+        self._stalling = threading.Lock()
+
+    def own(self) -> dict[str, Any]:
+        return rank_report(self.rank, self.device, self.activity)
+
+    @classmethod
+    def open(cls, engine: Any) -> "Whereabouts":
+        """dist: every rank; rank 0 starts its server and tells the others where it is (a broadcast)."""
+        here = cls(engine.rank, engine.size, str(engine.device), engine.activity)
+        if engine.is_root:
+            here.server = ReportServer(here._handle)
+            offer = (socket.gethostname(), own_addresses(), here.server.port, here.server.token)
+        offer = engine.broadcast_object(offer if engine.is_root else None, "whereabouts")
+        host, addresses, port, token = offer
+        if engine.is_root:
+            here.contact = ("127.0.0.1", port, token)
+            return here
+        if host == socket.gethostname():
+            addresses = ["127.0.0.1", *addresses]
+        here.link, failures = RankLink.connect(engine.rank, addresses, port, token, here.own)
+        if here.link is None:
+            sys.stderr.write(f"hvdtrain: warning: rank {engine.rank} cannot reach rank 0's report port {port} "
+                             f"({failures}): a stall report and `hvdtrain where` will not show this rank\n")
+        else:
+            here.contact = (here.link.host, port, token)
+        return here
+
+    def report_into(self, run_dir: Path) -> None:
+        """Rank 0: reports go into `run_dir`, and `hvdtrain where` finds the job there."""
+        if self.server is None:
+            return
+        self.run_dir = run_dir
+        live = run_dir / LIVE_FILE
+        with contextlib.suppress(OSError):
+            fd = os.open(live, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the token: its owner's alone
+            with os.fdopen(fd, "w") as out:
+                json.dump({"host": socket.gethostname(), "port": self.server.port, "token": self.server.token,
+                           "pid": os.getpid(), "ranks": self.size}, out)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            if self.run_dir is not None:
+                with contextlib.suppress(OSError):
+                    (self.run_dir / LIVE_FILE).unlink()
+        if self.link is not None:
+            self.link.close()
+
+    # --- asked
+
+    def _handle(self, asked: dict[str, Any]) -> dict[str, Any] | None:
+        if asked.get("ask") == "where":
+            return {"text": self.where_now()}
+        if asked.get("ask") == "stalled":
+            self.stalled(int(asked["rank"]), Activity.from_json(json.dumps(asked["activity"])), asked["timeout"])
+        return None
+
+    def where_now(self) -> str:
+        """Rank 0: every rank's report now, kept in the run directory; the summary's text."""
+        reports = self.server.ask_all(self.size, self.own)  # type: ignore[union-attr]
+        folder = self._keep(reports, time.strftime("%Y%m%d-%H%M%S"))
+        lines = [f"{self.size} ranks" + (f"; every rank's whole stack in {folder}" if folder else "")]
+        for rank, report in enumerate(reports):
+            lines += _rank_lines(rank, report, stack=True)
+        return "\n".join(lines)
+
+    def report_stall(self, rank: int, activity: Activity, timeout: float) -> bool:
+        """`rank`'s watchdog: its collective waited past `timeout`. Rank 0 reports every rank and ends the
+        job (it does not return there); elsewhere, True once rank 0 took the report, False when it could not
+        be asked (the caller reports what it knows itself)."""
+        if self.server is not None:
+            self.stalled(rank, activity, timeout)
+        if self.contact is None:
+            return False
+        host, port, token = self.contact
+        asked = {"token": token, "ask": "stalled", "rank": rank, "activity": json.loads(activity.to_json()),
+                 "timeout": timeout}
+        try:
+            request(host, port, asked, 3 * ANSWER_SECONDS)
+        except ConnectionError:  # rank 0 reported and left, closing this connection
+            return True
+        except OSError:
+            return False
+        return True
+
+    def stalled(self, rank: int, activity: Activity, timeout: float) -> None:
+        """Rank 0: prints the stall's report, keeps every rank's stack, and ends this process (the
+        launcher then stops the others). A second stall report meanwhile waits for that end."""
+        if not self._stalling.acquire(blocking=False):
+            time.sleep(3 * ANSWER_SECONDS)
+            return
+        reports = self.server.ask_all(self.size, self.own)  # type: ignore[union-attr]
+        folder = self._keep(reports, time.strftime("%Y%m%d-%H%M%S") + "-stall")
+        sys.stderr.write("\n".join(stall_lines(rank, activity, timeout, reports, folder)) + "\n")
+        sys.stderr.flush()
+        self.server.tell_all_to_leave()  # type: ignore[union-attr]
+        os._exit(1)  # the training thread is blocked in a collective or the user's code; nothing else ends it
+
+    def _keep(self, reports: list[dict[str, Any] | None], name: str) -> Path | None:
+        """Every rank's whole report, one file each, in the run directory (rank 0 writes shared files)."""
+        if self.run_dir is None:
+            return None
+        folder = self.run_dir / FOLDER / name
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for rank, report in enumerate(reports):
+                text = report_text(report) if report else f"rank {rank} did not answer within {ANSWER_SECONDS:g} s\n"
+                (folder / f"rank-{rank}.txt").write_text(text)
+        except OSError as err:
+            sys.stderr.write(f"hvdtrain: warning: could not keep the ranks' stacks in {folder}: {err.strerror or err}\n")
+            return None
+        return folder
+
+
+def stall_lines(rank: int, mine: Activity, timeout: float, reports: list[dict[str, Any] | None],
+                folder: Path | None) -> list[str]:
+    """The stall's report: the error line (the rank that waited, and who was not there), each rank's state
+    and the stacks of those elsewhere, and a last line naming the rank(s) the job stopped for."""
+    here = (mine.collective, mine.where)
+    away = [(r, report) for r, report in enumerate(reports)
+            if r != rank and (report is None or (report["collective"], report["where"]) != here)]
+    missing = [f"rank {r} ({_short(report)})" for r, report in away] or \
+        ["none: every rank waits here, so one of them has not reached its part of it"]
+    lines = [f"hvdtrain: error: the job stalled: rank {rank} waited {time.time() - mine.since:.0f} s in "
+             f"{mine.collective} at {mine.where} (train.stall_timeout {timeout:g} s); not there: "
+             f"{', '.join(missing)}. Every rank must run the same collectives; raise train.stall_timeout "
+             "if a step can take that long",
+             "hvdtrain: where each rank was" + (f" (every rank's whole stack: {folder})" if folder else "") + ":"]
+    waiting = [r for r, report in enumerate(reports) if (r == rank or report) and r not in dict(away)]
+    if waiting:
+        lines.append(f"  {_ranks(waiting)}: waiting in {mine.collective} at {mine.where}")
+    for r, report in away:
+        lines += _rank_lines(r, report, stack=True)
+    if away:
+        stuck = "; ".join(f"rank {r} {_short(report)}{_user_at(report)}" for r, report in away)
+        lines.append(f"hvdtrain: the job stopped waiting for {stuck}")
+    return lines
+
+
+def _rank_lines(rank: int, report: dict[str, Any] | None, stack: bool) -> list[str]:
+    if report is None:
+        return [f"  rank {rank}: no answer within {ANSWER_SECONDS:g} s (gone, or its interpreter held in native code)"]
+    lines = [f"  rank {rank} (host {report['host']}, pid {report['pid']}): {state(report)}"]
+    if stack:
+        frames = main_frames(report)
+        users = list(reversed(user_frames(frames)))[:_USER_FRAMES]
+        others = [frame for frame in reversed(frames) if frame not in users][:_OTHER_FRAMES]
+        lines += [f"      your code: {frame_line(frame)}" for frame in users]
+        lines += [f"      {'inside' if users else 'at'}: {frame_line(frame)}" for frame in others]
+    return lines
+
+
+def _short(report: dict[str, Any] | None) -> str:
+    if report is None:
+        return "no answer"
+    if report["collective"]:
+        return f"in {report['collective']} at {report['where']} for {report['collective_for']:.0f} s"
+    return f"in {report['phase']} at {report['where']}"
+
+
+def _user_at(report: dict[str, Any] | None) -> str:
+    users = user_frames(main_frames(report)) if report else []
+    return f", at {users[-1][0]}:{users[-1][1]} in {users[-1][2]}" if users else ""
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

@@ -1,0 +1,172 @@
+"""Where every rank is: at a stall (the job stops, rank 0 says which rank is elsewhere, in which phase and
+at which line of the user's code, and keeps every rank's stack), on demand (`hvdtrain where RUN_DIR`
+from another terminal, the job goes on), and a slow rank named in the epoch's line."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import LAUNCHERS, assert_ok, epoch_records, final_weights, fit_ok, launch_env, requires_launchers, run
+
+pytestmark = [pytest.mark.multiprocess, requires_launchers]
+
+STALL_TIMEOUT = 5
+USER_CODE = str(Path(__file__).parent / "user_code.py")
+
+
+def _user_line(text: str) -> int:
+    """The line of tests/user_code.py that holds `text` (a stuck rank's frame)."""
+    return next(number for number, line in enumerate(Path(USER_CODE).read_text().splitlines(), 1) if text in line)
+
+
+def _stalled_job(launcher: str, run_dir: Path, *args: str) -> tuple[str, int, float]:
+    """Runs fit until it stops; returns its output, exit status and the seconds from the moment a rank got stuck
+    (the user code creates a file then) to the job's end."""
+    stuck = run_dir.parent / f"{run_dir.name}.stuck"
+    command = [*LAUNCHERS[launcher], "hvdtrain", "fit", "--progress", "off", "--set",
+               f"train.stall_timeout={STALL_TIMEOUT}", "--run-dir", str(run_dir), *args]
+    if launcher == "mpirun":
+        command[len(LAUNCHERS[launcher]):len(LAUNCHERS[launcher])] = ["-x", "HVDTRAIN_TEST_STUCK_FILE"]
+    job = subprocess.Popen(command, env={**launch_env(), "HVDTRAIN_TEST_STUCK_FILE": str(stuck)},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode != 0 and stuck.exists(), output[-3000:]
+    return output, job.returncode, time.time() - stuck.stat().st_mtime
+
+
+def _assert_stall_report(output: str, run_dir: Path, stuck: str, code_line: int) -> None:
+    """One error line; rank 1 named with its phase and the user's frame, first and last; every rank's
+    whole stack in the run directory; nothing left running."""
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if "hvdtrain: error:" in line]
+    assert len(errors) == 1 and "the job stalled: rank 0 waited" in errors[0], output[-3000:]
+    assert f"not there: rank 1 ({stuck}" in errors[0], errors[0]
+    frame = f"{USER_CODE}:{code_line}"
+    assert re.search(rf"rank 1 \(host .*\): {re.escape(stuck)}", output), output[-3000:]
+    assert f"your code: {frame}" in output, output[-3000:]
+    last = [line for line in output.splitlines() if "hvdtrain: the job stopped waiting for" in line]
+    assert len(last) == 1 and f"rank 1 {stuck}" in last[0] and frame in last[0], output[-3000:]
+    kept = sorted((run_dir / "where").glob("*-stall"))
+    assert len(kept) == 1, list((run_dir / "where").iterdir()) if (run_dir / "where").exists() else "no where/"
+    assert sorted(p.name for p in kept[0].iterdir()) == ["rank-0.txt", "rank-1.txt"]
+    rank_1 = (kept[0] / "rank-1.txt").read_text()
+    assert "Thread MainThread (most recent call last):" in rank_1 and f'"{USER_CODE}", line {code_line}' in rank_1
+    assert "Thread MainThread" in (kept[0] / "rank-0.txt").read_text()
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left: {left}"
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-mpi", "horovodrun-gloo", "torchrun"])
+def test_a_rank_stuck_in_its_forward_is_named_with_its_line_and_every_stack_is_kept(launcher, tmp_path):
+    """Rank 1 sleeps for ever in its model's 5th training forward (step 5): rank 0 waits in the gradient
+    allreduce; within the stall timeout + 10 s the job stops naming rank 1, `forward` and the line."""
+    run_dir = tmp_path / "run"
+    output, code, seconds = _stalled_job(launcher, run_dir, "--model", "user_code:stuck_on_rank_1")
+    assert seconds < STALL_TIMEOUT + 10, f"stopped {seconds:.0f} s after the stall\n{output[-3000:]}"
+    _assert_stall_report(output, run_dir, "in forward at epoch 1, training after step 4",
+                         _user_line("time.sleep(1)  # rank 1 stuck in its forward"))
+    assert "in the gradient allreduce at epoch 1, training after step 4" in output
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+def test_a_rank_stuck_reading_its_data_is_named_in_data_loading(launcher, tmp_path):
+    run_dir = tmp_path / "run"
+    output, code, seconds = _stalled_job(launcher, run_dir, "--data", "user_code:stuck_reading_on_rank_1",
+                                         "--batch-size", "16")
+    assert seconds < STALL_TIMEOUT + 10, f"stopped {seconds:.0f} s after the stall\n{output[-3000:]}"
+    _assert_stall_report(output, run_dir, "in data loading at epoch 1, training after step ",
+                         _user_line("time.sleep(1)  # rank 1 stuck reading its data"))
+
+
+def test_a_rank_that_never_reaches_evaluation_s_collective_is_named(tmp_path):
+    """Rank 1 hangs reading its first validation sample; rank 0 waits in evaluation's allreduce."""
+    run_dir = tmp_path / "run"
+    output, code, seconds = _stalled_job("horovodrun-gloo", run_dir, "--data", "user_code:stuck_before_evaluation_on_rank_1",
+                                         "--batch-size", "16")
+    assert seconds < STALL_TIMEOUT + 10, f"stopped {seconds:.0f} s after the stall\n{output[-3000:]}"
+    _assert_stall_report(output, run_dir, "in evaluation at epoch 1, evaluation",
+                         _user_line("time.sleep(1)  # rank 1 stuck reading its data"))
+
+
+# --- on demand
+
+
+def _where_while_it_runs(job: subprocess.Popen, run_dir: Path) -> subprocess.CompletedProcess:
+    """`hvdtrain where RUN_DIR` from another process, as soon as the job says where it listens."""
+    live = run_dir / "where.json"
+    deadline = time.monotonic() + 60
+    while not live.exists():
+        assert job.poll() is None, job.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the job never wrote where.json"
+        time.sleep(0.1)
+    return run(["hvdtrain", "where", str(run_dir)], timeout=60, cwd=run_dir.parent)
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-mpi", "torchrun"])
+def test_where_shows_every_rank_s_stack_of_a_live_run_which_then_ends_as_if_never_asked(launcher, tmp_path):
+    args = ["--progress", "off", "--epochs", "3", "--batch-size", "32"]
+    asked_dir, plain_dir = tmp_path / "asked", tmp_path / "plain"
+    job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *args, "--model", "user_code:paced_mlp",
+                            "--run-dir", str(asked_dir)], env=launch_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        where = _where_while_it_runs(job, asked_dir)
+        output, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert_ok(where)
+    assert job.returncode == 0, output[-3000:]
+    text = where.stdout
+    assert text.startswith("hvdtrain where: 2 ranks; every rank's whole stack in"), text
+    for rank in (0, 1):
+        assert re.search(rf"^  rank {rank} \(host .*, pid \d+\): (in|waiting)", text, re.M), text
+    assert f"your code: {USER_CODE}:" in text, text  # the paced model's sleep, on one rank at least
+    kept = sorted((asked_dir / "where").iterdir())
+    assert len(kept) == 1 and sorted(p.name for p in kept[0].iterdir()) == ["rank-0.txt", "rank-1.txt"]
+    assert all("Thread MainThread" in (kept[0] / name).read_text() for name in ("rank-0.txt", "rank-1.txt"))
+    assert not (asked_dir / "where.json").exists()  # removed at the end: no job runs there now
+    # The same training without the pacing, never asked: the same weights (the pacing only sleeps).
+    fit_ok(launcher, *args[2:], "--run-dir", str(plain_dir))
+    asked = {name.removeprefix("inner."): value for name, value in final_weights(asked_dir).items()}
+    plain = final_weights(plain_dir)
+    assert asked.keys() == plain.keys() and all((asked[k] == plain[k]).all() for k in plain)
+
+
+def test_where_says_in_one_line_when_no_job_runs_there(tmp_path):
+    done = run([sys.executable, "-m", "hvdtrain", "where", str(tmp_path)], timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"hvdtrain: error: no job is running in {tmp_path} (no where.json: it ended, has not reached its first "
+        "epoch yet, runs as one process without a launcher, or runs with --elastic)"]
+
+
+# --- slow ranks
+
+
+def test_a_rank_slow_to_read_its_data_is_named_as_a_straggler_and_none_otherwise(tmp_path):
+    """Rank 1 reads each sample 4 ms slower: every epoch's line names it, with data as the cause; the
+    same job with even ranks names none (two runs)."""
+    slow = fit_ok("horovodrun-gloo", "--data", "user_code:slow_reading_on_rank_1", "--epochs", "2",
+                  "--batch-size", "16", "--run-dir", str(tmp_path / "slow"))
+    lines = [line for line in slow.stdout.splitlines() if re.search(r"epoch \d/2 ", line)]
+    assert len(lines) == 2, slow.stdout
+    for line in lines:
+        assert re.search(r"slow: rank 1: \d+\.\dx the others' median step, \d+% waiting for data: raise "
+                         r"data.num_workers", line), line
+    records = epoch_records(tmp_path / "slow")
+    assert all(len(r["rank_data_s"]) == 2 and r["rank_data_s"][1] > r["rank_data_s"][0] for r in records)
+    for attempt in range(2):
+        even = fit_ok("horovodrun-gloo", "--data", "user_code:blobs_split", "--epochs", "2", "--batch-size", "16",
+                      "--run-dir", str(tmp_path / f"even-{attempt}"))
+        assert "slow:" not in even.stdout, even.stdout
+        assert all("stragglers" not in r for r in epoch_records(tmp_path / f"even-{attempt}"))
