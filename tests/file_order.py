@@ -24,6 +24,7 @@ SECONDS = {
     "test_torch_engine.py": 50,
     "test_sharded_optimizer.py": 80,
     "test_examples.py": 40,
+    "test_whereabouts.py": 150,
 }
 
 # A file not named above: each system test (an install, a cluster, an image) takes a while, each
