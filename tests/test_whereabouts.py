@@ -43,24 +43,29 @@ def _stalled_job(launcher: str, run_dir: Path, *args: str) -> tuple[str, int, fl
     return output, job.returncode, time.time() - stuck.stat().st_mtime
 
 
-def _assert_stall_report(output: str, run_dir: Path, stuck: str, code_line: int) -> None:
-    """One error line; rank 1 named with its phase and the user's frame, first and last; every rank's
-    whole stack in the run directory; nothing left running."""
+def _assert_stall_report(output: str, run_dir: Path, stuck: str, code_line: int | None, stuck_rank: int = 1) -> None:
+    """One error line; the stuck rank named with its phase and the user's frame (at `code_line` of
+    user_code.py; None: in another process), first and last; every rank's whole stack in the run
+    directory; nothing left running."""
+    waiter = 1 - stuck_rank
     assert "Traceback" not in output, output[-3000:]
     errors = [line for line in output.splitlines() if "hvdtrain: error:" in line]
-    assert len(errors) == 1 and "the job stalled: rank 0 waited" in errors[0], output[-3000:]
-    assert f"not there: rank 1 ({stuck}" in errors[0], errors[0]
-    frame = f"{USER_CODE}:{code_line}"
-    assert re.search(rf"rank 1 \(host .*\): {re.escape(stuck)}", output), output[-3000:]
-    assert f"your code: {frame}" in output, output[-3000:]
+    assert len(errors) == 1 and f"the job stalled: rank {waiter} waited" in errors[0], output[-3000:]
+    assert f"not there: rank {stuck_rank} ({stuck}" in errors[0], errors[0]
+    frame = f"{USER_CODE}:{code_line}" if code_line else ""
+    assert re.search(rf"rank {stuck_rank} \(host .*\): {re.escape(stuck)}", output), output[-3000:]
+    assert f"your code: {frame}" in output if code_line else "your code:" not in output, output[-3000:]
     last = [line for line in output.splitlines() if "hvdtrain: the job stopped waiting for" in line]
-    assert len(last) == 1 and f"rank 1 {stuck}" in last[0] and frame in last[0], output[-3000:]
+    assert len(last) == 1 and f"rank {stuck_rank} {stuck}" in last[0] and frame in last[0], output[-3000:]
     kept = sorted((run_dir / "where").glob("*-stall"))
     assert len(kept) == 1, list((run_dir / "where").iterdir()) if (run_dir / "where").exists() else "no where/"
     assert sorted(p.name for p in kept[0].iterdir()) == ["rank-0.txt", "rank-1.txt"]
-    rank_1 = (kept[0] / "rank-1.txt").read_text()
-    assert "Thread MainThread (most recent call last):" in rank_1 and f'"{USER_CODE}", line {code_line}' in rank_1
-    assert "Thread MainThread" in (kept[0] / "rank-0.txt").read_text()
+    stuck_report = (kept[0] / f"rank-{stuck_rank}.txt").read_text()
+    assert "Thread MainThread (most recent call last):" in stuck_report
+    assert (f'"{USER_CODE}", line {code_line}' in stuck_report if code_line else
+            "dataloader.py" in stuck_report), stuck_report
+    assert "Thread MainThread" in (kept[0] / f"rank-{waiter}.txt").read_text()
+    assert not (run_dir / "where.json").exists()  # no job answers there any more
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left: {left}"
@@ -74,18 +79,31 @@ def test_a_rank_stuck_in_its_forward_is_named_with_its_line_and_every_stack_is_k
     output, code, seconds = _stalled_job(launcher, run_dir, "--model", "user_code:stuck_on_rank_1")
     assert seconds < STALL_TIMEOUT + 10, f"stopped {seconds:.0f} s after the stall\n{output[-3000:]}"
     _assert_stall_report(output, run_dir, "in forward at epoch 1, training after step 4",
-                         _user_line("time.sleep(1)  # rank 1 stuck in its forward"))
+                         _user_line("time.sleep(1)  # a rank stuck in its forward"))
     assert "in the gradient allreduce at epoch 1, training after step 4" in output
 
 
-@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
-def test_a_rank_stuck_reading_its_data_is_named_in_data_loading(launcher, tmp_path):
+def test_rank_0_stuck_itself_is_reported_by_its_own_report_thread(tmp_path):
+    """Rank 1 waits, asks rank 0; rank 0's training thread sleeps in the user's forward while its report
+    thread answers, names itself as the one not there, and ends the job."""
+    run_dir = tmp_path / "run"
+    output, code, seconds = _stalled_job("torchrun", run_dir, "--model", "user_code:stuck_on_rank_0")
+    assert seconds < STALL_TIMEOUT + 10, f"stopped {seconds:.0f} s after the stall\n{output[-3000:]}"
+    _assert_stall_report(output, run_dir, "in forward at epoch 1, training after step 4",
+                         _user_line("time.sleep(1)  # a rank stuck in its forward"), stuck_rank=0)
+
+
+@pytest.mark.parametrize("launcher, workers", [("mpirun", 0), ("torchrun", 0), ("horovodrun-gloo", 1)])
+def test_a_rank_stuck_reading_its_data_is_named_in_data_loading(launcher, workers, tmp_path):
+    """With a data-loader worker, the read hangs in the worker: the rank waits for it in data loading
+    (its stack shows the loader's wait; the worker's own frames are another process's), and the worker
+    is ended with its rank, though it leaves the stop signals to its rank."""
     run_dir = tmp_path / "run"
     output, code, seconds = _stalled_job(launcher, run_dir, "--data", "user_code:stuck_reading_on_rank_1",
-                                         "--batch-size", "16")
+                                         "--batch-size", "16", "--set", f"data.num_workers={workers}")
     assert seconds < STALL_TIMEOUT + 10, f"stopped {seconds:.0f} s after the stall\n{output[-3000:]}"
     _assert_stall_report(output, run_dir, "in data loading at epoch 1, training after step ",
-                         _user_line("time.sleep(1)  # rank 1 stuck reading its data"))
+                         _user_line("time.sleep(1)  # rank 1 stuck reading its data") if not workers else None)
 
 
 def test_a_rank_that_never_reaches_evaluation_s_collective_is_named(tmp_path):
@@ -142,12 +160,17 @@ def test_where_shows_every_rank_s_stack_of_a_live_run_which_then_ends_as_if_neve
     assert asked.keys() == plain.keys() and all((asked[k] == plain[k]).all() for k in plain)
 
 
-def test_where_says_in_one_line_when_no_job_runs_there(tmp_path):
+def test_where_says_in_one_line_when_no_job_runs_there_or_its_file_is_not_a_job_s(tmp_path):
     done = run([sys.executable, "-m", "hvdtrain", "where", str(tmp_path)], timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
         f"hvdtrain: error: no job is running in {tmp_path} (no where.json: it ended, has not reached its first "
         "epoch yet, runs as one process without a launcher, or runs with --elastic)"]
+    (tmp_path / "where.json").write_text('{"host": "localhost", "port": 99999, "token": "x", "pid": 1}')
+    done = run([sys.executable, "-m", "hvdtrain", "where", str(tmp_path)], timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"hvdtrain: error: {tmp_path / 'where.json'} is not what a running job writes (host, port, token, pid): "
+        "remove it"]
 
 
 # --- slow ranks

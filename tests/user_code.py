@@ -142,22 +142,22 @@ def paced_mlp(input_shape, num_classes):
     return _Paced(build_model(ModelConfig(name="mlp"), input_shape, num_classes), 0.05)
 
 
-class _StuckOnRank1(nn.Module):
-    """Rank 1 never finishes its fifth training forward pass (step 5), as a deadlocked model would."""
+class _StuckOnRank(nn.Module):
+    """One rank never finishes its fifth training forward pass (step 5), as a deadlocked model would."""
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module, rank: int):
         super().__init__()
-        self.inner, self.calls = inner, 0
+        self.inner, self.rank, self.calls = inner, rank, 0
 
     def forward(self, x):
         import time
 
-        if self.training and _rank() == 1:
+        if self.training and _rank() == self.rank:
             self.calls += 1
             if self.calls == 5:
                 _say_stuck()
             while self.calls >= 5:
-                time.sleep(1)  # rank 1 stuck in its forward
+                time.sleep(1)  # a rank stuck in its forward
         return self.inner(x)
 
 
@@ -165,7 +165,15 @@ def stuck_on_rank_1(input_shape, num_classes):
     from hvdtrain.config import ModelConfig
     from hvdtrain.models import build_model
 
-    return _StuckOnRank1(build_model(ModelConfig(name="mlp"), input_shape, num_classes))
+    return _StuckOnRank(build_model(ModelConfig(name="mlp"), input_shape, num_classes), 1)
+
+
+def stuck_on_rank_0(input_shape, num_classes):
+    """Rank 0 itself stuck: the stall is reported by rank 0's report thread, asked by rank 1."""
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.models import build_model
+
+    return _StuckOnRank(build_model(ModelConfig(name="mlp"), input_shape, num_classes), 0)
 
 
 def stream():

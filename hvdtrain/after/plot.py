@@ -12,6 +12,7 @@ from hvdtrain.after.runs import RunRecord
 # Record keys that are not curves.
 _SKIP = {"val_samples", "val_loss"}
 RANK_TIMES = "rank seconds"
+_RANK_TIMES_AXIS = "s per rank outside collectives"
 """The row of each rank's times (metrics.jsonl's rank_data_s, rank_compute_s)."""
 _RANK_STYLES = ("-", "--", ":", "-.")
 
@@ -58,7 +59,7 @@ def draw(runs: list[RunRecord], output: Path) -> None:
             ax = axes[row][column]
             ax.set_xlim(left=0 if column else None)  # from the start: start-up time shows
             ax.set_xlabel(xlabel)
-            ax.set_ylabel(name.replace("_", " "))
+            ax.set_ylabel(_RANK_TIMES_AXIS if name == RANK_TIMES else name.replace("_", " "))
             ax.grid(alpha=0.3)
             if name in ("loss", "val_perplexity") and _all_positive(runs, name):
                 ax.set_yscale("log")
@@ -79,14 +80,16 @@ def _line(ax, xs: list[float], run: RunRecord, key: str, colour: str, label: str
 
 
 def _rank_lines(ax, xs: list[float], run: RunRecord, colour: str, label: str) -> None:
-    """Each rank's data + compute seconds per epoch (a line style per rank), its data seconds as dots."""
+    """Each rank's data + compute seconds per epoch (a line style per rank), its data seconds as crosses;
+    an epoch of another world size (elastic training) has its own number of ranks."""
     rows = [(x, r["rank_data_s"], r["rank_compute_s"]) for x, r in zip(xs, run.epochs) if "rank_data_s" in r]
-    for rank in range(len(rows[0][1]) if rows else 0):
-        busy = [(x, data[rank] + compute[rank]) for x, data, compute in rows]
+    for rank in range(max((len(data) for _, data, _ in rows), default=0)):
+        held = [(x, data[rank], compute[rank]) for x, data, compute in rows if rank < min(len(data), len(compute))]
         style = _RANK_STYLES[rank % len(_RANK_STYLES)]
-        ax.plot(*zip(*busy), style, color=colour, marker="o", markersize=3, label=f"{label} rank {rank}")
-        ax.plot([x for x, _, _ in rows], [data[rank] for _, data, _ in rows], "x", color=colour, markersize=4,
-                label=f"{label} rank {rank} data" if rank == 0 else None)
+        ax.plot([x for x, _, _ in held], [d + c for _, d, c in held], style, color=colour, marker="o", markersize=3,
+                label=f"{label} rank {rank}")
+        ax.plot([x for x, _, _ in held], [d for _, d, _ in held], "x", color=colour, markersize=4,
+                label=f"{label} each rank's data loading (x)" if rank == 0 else None)
 
 
 def _all_positive(runs: list[RunRecord], name: str) -> bool:

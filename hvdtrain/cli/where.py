@@ -14,7 +14,8 @@ from hvdtrain.errors import UserError
 
 @click.command()
 @click.argument("run_dir", type=click.Path(file_okay=False))
-@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the answer.")
+@click.option("--timeout", type=click.FloatRange(0.1, 3600), default=30.0, show_default=True,
+              help="Seconds to wait for the answer.")
 def where(run_dir: str, timeout: float) -> None:
     """Where every rank of a running job is now: its phase and Python stack (the job goes on). Run it on
     rank 0's host; every rank's whole stack is kept in RUN_DIR/where/."""
@@ -29,6 +30,8 @@ def where(run_dir: str, timeout: float) -> None:
                         "yet, runs as one process without a launcher, or runs with --elastic)") from None
     except (OSError, ValueError) as err:
         raise UserError(f"cannot read {live}: {getattr(err, 'strerror', None) or err}") from None
+    if not _is_contact(facts):
+        raise UserError(f"{live} is not what a running job writes (host, port, token, pid): remove it")
     host = "127.0.0.1" if facts["host"] == socket.gethostname() else facts["host"]
     try:
         answer = request(host, facts["port"], {"token": facts["token"], "ask": "where"}, timeout)
@@ -36,6 +39,12 @@ def where(run_dir: str, timeout: float) -> None:
         raise UserError(f"the job in {run_dir} does not answer (rank 0: pid {facts['pid']} on {facts['host']}, port "
                         f"{facts['port']}: {getattr(err, 'strerror', None) or err}); it may have been killed before "
                         f"it could remove {LIVE_FILE}") from None
-    if answer is None:
+    if answer is None or not isinstance(answer.get("text"), str):
         raise UserError(f"rank 0 of the job in {run_dir} did not answer within {timeout:g} s: raise --timeout")
     click.echo(f"hvdtrain where: {answer['text']}")
+
+
+def _is_contact(facts: object) -> bool:
+    """`where.json` as rank 0 writes it."""
+    return (isinstance(facts, dict) and isinstance(facts.get("host"), str) and isinstance(facts.get("token"), str)
+            and isinstance(facts.get("port"), int) and 0 < facts["port"] < 65536 and isinstance(facts.get("pid"), int))

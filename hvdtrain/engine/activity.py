@@ -12,6 +12,9 @@ from typing import Iterator
 
 DATA_LOADING = "data loading"
 """The phase a rank waits for its next training batch in; its time is the straggler check's `data`."""
+COMPUTE = ("batch to device", "forward", "backward", "the optimizer step")
+"""The phases of a training step whose time outside collectives is the straggler check's `compute`; the
+rest (a checkpoint write, logging, a callback: work rank 0 may do alone) is `other`, not held against a rank."""
 
 
 @dataclass
@@ -32,6 +35,8 @@ class Activity:
     """Seconds spent in each phase so far (perf_counter), waits in collectives included."""
     waited: float = field(default=0.0, compare=False)
     """Seconds spent waiting in collectives so far."""
+    waited_in: dict[str, float] = field(default_factory=dict, compare=False)
+    """Of those, the seconds spent in each phase."""
     _entered: float = field(default_factory=time.perf_counter, compare=False, repr=False)
 
     def at(self, where: str) -> None:
@@ -44,27 +49,33 @@ class Activity:
         self.phase, self._entered, self.phase_since = phase, now, time.time()
         return left
 
-    def clock(self) -> tuple[float, float, float]:
-        """(data loading, waiting in collectives, now) in seconds of perf_counter: differences of two
-        readings are where an epoch's time went."""
+    def clock(self) -> tuple[float, float, float, float]:
+        """(data loading, computing, waiting in collectives, now) in seconds of perf_counter: differences of
+        two readings are where an epoch's time went. Data loading and computing leave out their waits."""
         now = time.perf_counter()
-        loading = self.spent.get(DATA_LOADING, 0.0) + (now - self._entered if self.phase == DATA_LOADING else 0.0)
-        return loading, self.waited, now
+
+        def outside_collectives(phase: str) -> float:
+            spent = self.spent.get(phase, 0.0) + (now - self._entered if self.phase == phase else 0.0)
+            return spent - self.waited_in.get(phase, 0.0)
+
+        return outside_collectives(DATA_LOADING), sum(map(outside_collectives, COMPUTE)), self.waited, now
 
     @contextlib.contextmanager
     def waiting(self, collective: str) -> Iterator[None]:
         self.collective, self.since = collective, time.time()
-        began = time.perf_counter()
+        began, phase = time.perf_counter(), self.phase
         try:
             yield
         finally:
             self.collective = None
-            self.waited += time.perf_counter() - began
+            waited = time.perf_counter() - began
+            self.waited += waited
+            self.waited_in[phase] = self.waited_in.get(phase, 0.0) + waited
 
     def snapshot(self) -> "Activity":
         """A copy, as one pass of a reader sees it (the training thread changes the live one meanwhile)."""
         return Activity(self.where, self.collective, self.since, self.phase, self.phase_since, dict(self.spent),
-                        self.waited)
+                        self.waited, dict(self.waited_in))
 
     def to_json(self) -> str:
         """As published on a board: where it is, not its clocks."""

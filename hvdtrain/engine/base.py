@@ -70,9 +70,10 @@ class Engine(ABC):
         straggler check adds up its time. Returns the phase it left."""
         return ""
 
-    def phase_seconds(self) -> tuple[float, float, float]:
-        """(data loading, waiting in collectives, all) seconds of this rank so far: the straggler check's clock."""
-        return 0.0, 0.0, 0.0
+    def phase_seconds(self) -> tuple[float, float, float, float]:
+        """(data loading, computing a step, waiting in collectives, all) seconds of this rank so far: the
+        straggler check's clock."""
+        return 0.0, 0.0, 0.0, 0.0
 
     def report_into(self, run_dir: Path) -> None:
         """Rank 0: stall reports and `hvdtrain where` keep every rank's stacks in `run_dir`."""

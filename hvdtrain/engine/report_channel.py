@@ -4,7 +4,8 @@ stall (when the collectives are what is stuck) and when `hvdtrain where` asks; a
 answers, so the training thread is never interrupted.
 
 Messages are JSON lines. Every connection opens with the job's token, which only the job's ranks (told
-in the start-up broadcast) and rank 0's run directory (`where.json`, readable by its owner) hold.
+in the start-up broadcast) and rank 0's run directory (`where.json`, readable by its owner) hold; rank 0
+acknowledges each one at once, so a caller knows within seconds whether rank 0 heard it.
 """
 
 from __future__ import annotations
@@ -12,18 +13,38 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import multiprocessing
 import os
+import signal
 import socket
+import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 ANSWER_SECONDS = 5.0
 """How long rank 0 waits for the ranks' reports; one that has not answered by then is reported as silent."""
 LEAVE_AFTER_SECONDS = 2.0
 """How long after rank 0's stall report the other ranks end themselves, if the launcher has not yet."""
+ACK_SECONDS = 3.0
+"""How long a caller waits for rank 0 to acknowledge it (its server thread answers at once unless rank 0's
+interpreter is held, in native code or gone)."""
 _CONNECT_SECONDS = 3.0
 _POLL_SECONDS = 0.5  # how often a waiting thread looks whether it should stop
+_ACK = {"ack": True}
+
+
+def end_process(status: int = 1) -> NoReturn:
+    """Ends this rank at once, from any thread, wherever its training thread is stuck: its data-loader
+    workers first (they leave stop signals to their rank, and one stuck in the user's code would outlive
+    it), then the process, without unwinding."""
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(OSError):
+            os.kill(child.pid, signal.SIGKILL)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 class Lines:
@@ -83,24 +104,28 @@ class ReportServer:
                 continue
             except OSError:  # closed
                 return
-            self._greet(Lines(sock))
+            # One thread a connection: a caller that says nothing holds up no one else.
+            threading.Thread(target=self._greet, args=(Lines(sock),), name="hvdtrain-report-caller",
+                             daemon=True).start()
 
     def _greet(self, lines: Lines) -> None:
+        """A rank registering its link, or a request (`hvdtrain where`, a rank's stall): anything else,
+        a wrong token or a malformed line, is closed without an answer."""
         try:
             hello = lines.receive(ANSWER_SECONDS)
-        except (OSError, ValueError):
-            hello = None
-        if not hello or not hmac.compare_digest(str(hello.get("token", "")), self.token):
-            lines.close()
-            return
-        if "rank" in hello and "ask" not in hello:
-            self.links[int(hello["rank"])] = lines
-            return
-        try:
+            if not isinstance(hello, dict) or not hmac.compare_digest(str(hello.get("token", "")), self.token):
+                lines.close()
+                return
+            rank = hello.get("rank")
+            if "ask" not in hello and isinstance(rank, int) and not isinstance(rank, bool) and rank > 0:
+                lines.send(_ACK)
+                self.links[rank] = lines
+                return
+            lines.send(_ACK)
             answer = self.handle(hello)
             if answer is not None:
                 lines.send(answer)
-        except OSError:  # the asker is gone
+        except Exception:  # noqa: BLE001 - the asker is gone or sent nonsense: this thread only ends
             pass
         lines.close()
 
@@ -165,13 +190,18 @@ class RankLink:
         failures = []
         for host in hosts:
             try:
-                sock = socket.create_connection((host, port), timeout=_CONNECT_SECONDS)
+                lines = Lines(socket.create_connection((host, port), timeout=_CONNECT_SECONDS))
             except OSError as err:
                 failures.append(f"{host}: {err.strerror or err}")
                 continue
-            lines = Lines(sock)
-            lines.send({"token": token, "rank": rank})
-            return cls(lines, report, host), ""
+            try:
+                lines.send({"token": token, "rank": rank})
+                if lines.receive(ACK_SECONDS) == _ACK:  # rank 0's server, not another one on that port
+                    return cls(lines, report, host), ""
+                failures.append(f"{host}: no acknowledgement")
+            except (OSError, ValueError) as err:
+                failures.append(f"{host}: {getattr(err, 'strerror', None) or err}")
+            lines.close()
         return None, "; ".join(failures)
 
     def _answer(self) -> None:
@@ -182,7 +212,7 @@ class RankLink:
                     # dist: rank 0 reported a stall and leaves first (its exit is the one the launcher names);
                     # this rank follows, wherever its training thread is stuck.
                     time.sleep(LEAVE_AFTER_SECONDS)
-                    os._exit(1)
+                    end_process(1)
                 if request is not None:
                     self.lines.send({"id": request.get("id"), "report": self.report()})
             except (OSError, ValueError):  # rank 0 is gone
@@ -196,12 +226,20 @@ class RankLink:
 
 
 def request(host: str, port: int, message: dict[str, Any], seconds: float) -> dict[str, Any] | None:
-    """One request to rank 0 (`hvdtrain where`, a rank's stall): its answer; None when none came within
-    `seconds`. OSError when rank 0 cannot be reached; ConnectionError when it closed without answering."""
+    """One request to rank 0 (`hvdtrain where`, a rank's stall): its answer; None when it was acknowledged
+    but no answer came within `seconds` (0: the acknowledgement is all that is wanted). OSError when rank 0
+    cannot be reached or did not acknowledge within ACK_SECONDS; ConnectionError when it closed after
+    acknowledging, without answering."""
     with socket.create_connection((host, port), timeout=_CONNECT_SECONDS) as sock:
         lines = Lines(sock)
         lines.send(message)
-        return lines.receive(seconds)
+        try:
+            acknowledged = lines.receive(ACK_SECONDS)
+        except ConnectionError as err:
+            raise OSError(f"closed without acknowledging ({err})") from None
+        if acknowledged != _ACK:
+            raise OSError("no acknowledgement: rank 0's interpreter is held, or this is not its port")
+        return lines.receive(seconds) if seconds > 0 else None
 
 
 def own_addresses() -> list[str]:

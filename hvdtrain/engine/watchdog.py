@@ -21,6 +21,7 @@ import urllib.request
 from typing import Any, Callable, Protocol
 
 from hvdtrain.engine.activity import Activity
+from hvdtrain.engine.report_channel import end_process
 
 _SCOPE = "hvdtrain-activity"
 # A rank that is not the one to report waits this long before it exits itself, so
@@ -105,8 +106,8 @@ class StallWatchdog:
 
     def _stalled(self, rank: int, mine: Activity) -> None:
         if self.whereabouts is not None and self.whereabouts.report_stall(rank, mine, self.timeout):
-            time.sleep(_GRACE_SECONDS)  # rank 0 reported and left; the launcher stops this rank meanwhile
-            os._exit(1)
+            time.sleep(_GRACE_SECONDS)  # rank 0 reports and leaves; the launcher stops this rank meanwhile
+            end_process(1)
         now = time.time()
         board = self.board
         others = {other: board.read(other) if board else None for other in range(self.size()) if other != rank}
@@ -122,4 +123,4 @@ class StallWatchdog:
             f"{', '.join(missing)}. Every rank must run the same collectives; raise train.stall_timeout "
             "if a step can take that long\n")
         sys.stderr.flush()
-        os._exit(1)  # the training thread is blocked inside Horovod; nothing else would end it
+        end_process(1)  # the training thread is blocked inside a collective; nothing else would end it

@@ -31,11 +31,13 @@ class WatchedEngine(Engine):
     def watch(self, stall_timeout: int, elastic: bool) -> None:
         """dist: every rank, once started: the report channel to rank 0 (not in elastic training, whose
         ranks change) and the stall watchdog (stall_timeout 0: none)."""
+        if stall_timeout > 0:  # first: the channel's own start-up collectives are watched too
+            self._watchdog = StallWatchdog(self.activity, self._board(), stall_timeout, rank=lambda: self.rank,
+                                           size=lambda: self.size).start()
         if not elastic:
             self.whereabouts = Whereabouts.open(self)
-        if stall_timeout > 0:
-            self._watchdog = StallWatchdog(self.activity, self._board(), stall_timeout, rank=lambda: self.rank,
-                                           size=lambda: self.size, whereabouts=self.whereabouts).start()
+            if self._watchdog is not None:
+                self._watchdog.whereabouts = self.whereabouts
 
     def _board(self) -> Board | None:
         """Where ranks publish their Activity for a stall report without the report channel."""
@@ -47,7 +49,7 @@ class WatchedEngine(Engine):
     def doing(self, phase: str) -> str:
         return self.activity.enter(phase)
 
-    def phase_seconds(self) -> tuple[float, float, float]:
+    def phase_seconds(self) -> tuple[float, float, float, float]:
         return self.activity.clock()
 
     def report_into(self, run_dir: Path) -> None:

@@ -21,13 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from hvdtrain.engine.activity import Activity
-from hvdtrain.engine.report_channel import ANSWER_SECONDS, RankLink, ReportServer, own_addresses, request
+from hvdtrain.engine.report_channel import (ANSWER_SECONDS, RankLink, ReportServer, end_process, own_addresses,
+                                            request)
 from hvdtrain.engine.stacks import frame_line, main_frames, rank_report, report_text, state, user_frames
 
 LIVE_FILE = "where.json"
 """In a running job's run directory: how `hvdtrain where` reaches rank 0 (removed when the job ends)."""
 FOLDER = "where"
 _USER_FRAMES, _OTHER_FRAMES = 4, 2  # per rank in a summary; the files have every frame
+_WATCH_SLACK_SECONDS = 2.0
+"""The most by which two ranks' watchdogs see the same stall apart (their polling interval)."""
 
 
 class Whereabouts:
@@ -40,30 +43,44 @@ class Whereabouts:
         self.contact: tuple[str, int, str] | None = None  # (host, port, token) of rank 0's server
         self.run_dir: Path | None = None
         self._stalling = threading.Lock()
+        self._kept = 0
 
     def own(self) -> dict[str, Any]:
         return rank_report(self.rank, self.device, self.activity)
 
     @classmethod
     def open(cls, engine: Any) -> "Whereabouts":
-        """dist: every rank; rank 0 starts its server and tells the others where it is (a broadcast)."""
+        """dist: every rank; rank 0 starts its server and tells the others where it is (a broadcast), each
+        other rank connects to it, and rank 0 says in one line which ranks could not."""
         here = cls(engine.rank, engine.size, str(engine.device), engine.activity)
+        offer, trouble = None, ""
         if engine.is_root:
-            here.server = ReportServer(here._handle)
-            offer = (socket.gethostname(), own_addresses(), here.server.port, here.server.token)
-        offer = engine.broadcast_object(offer if engine.is_root else None, "whereabouts")
+            try:
+                here.server = ReportServer(here._handle)
+                offer = (socket.gethostname(), own_addresses(), here.server.port, here.server.token)
+            except OSError as err:  # the job trains on without reports; the others must not wait for an offer
+                trouble = f"cannot open its report port ({err.strerror or err})"
+        offer = engine.broadcast_object(offer, "whereabouts")
+        if offer is None:
+            if engine.is_root:
+                sys.stderr.write(f"hvdtrain: warning: rank 0 {trouble}: a stall report and `hvdtrain where` will "
+                                 "name ranks without their stacks\n")
+            return here
         host, addresses, port, token = offer
         if engine.is_root:
             here.contact = ("127.0.0.1", port, token)
-            return here
-        if host == socket.gethostname():
-            addresses = ["127.0.0.1", *addresses]
-        here.link, failures = RankLink.connect(engine.rank, addresses, port, token, here.own)
-        if here.link is None:
-            sys.stderr.write(f"hvdtrain: warning: rank {engine.rank} cannot reach rank 0's report port {port} "
-                             f"({failures}): a stall report and `hvdtrain where` will not show this rank\n")
         else:
-            here.contact = (here.link.host, port, token)
+            if host == socket.gethostname():
+                addresses = ["127.0.0.1", *addresses]
+            here.link, trouble = RankLink.connect(engine.rank, addresses, port, token, here.own)
+            if here.link is not None:
+                here.contact = (here.link.host, port, token)
+        unreachable = [(rank, why) for rank, why in enumerate(engine.allgather_object(trouble, "whereabouts"))
+                       if why and rank > 0]
+        if unreachable and engine.is_root:  # dist: one line, from rank 0
+            sys.stderr.write("hvdtrain: warning: " + "; ".join(f"rank {rank} cannot reach rank 0's report port "
+                                                                 f"{port} ({why})" for rank, why in unreachable)
+                             + ": a stall report and `hvdtrain where` will not show their stacks\n")
         return here
 
     def report_into(self, run_dir: Path) -> None:
@@ -71,21 +88,26 @@ class Whereabouts:
         if self.server is None:
             return
         self.run_dir = run_dir
-        live = run_dir / LIVE_FILE
+        live, partial = run_dir / LIVE_FILE, run_dir / f".{LIVE_FILE}.{os.getpid()}"
         with contextlib.suppress(OSError):
-            fd = os.open(live, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the token: its owner's alone
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the token: its owner's alone
             with os.fdopen(fd, "w") as out:
                 json.dump({"host": socket.gethostname(), "port": self.server.port, "token": self.server.token,
                            "pid": os.getpid(), "ranks": self.size}, out)
+            os.replace(partial, live)  # whole or not at all, for a `hvdtrain where` reading it meanwhile
 
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
-            if self.run_dir is not None:
-                with contextlib.suppress(OSError):
-                    (self.run_dir / LIVE_FILE).unlink()
+            self._unlist()
         if self.link is not None:
             self.link.close()
+
+    def _unlist(self) -> None:
+        """No job answers in the run directory any more."""
+        if self.run_dir is not None:
+            with contextlib.suppress(OSError):
+                (self.run_dir / LIVE_FILE).unlink()
 
     # --- asked
 
@@ -93,13 +115,14 @@ class Whereabouts:
         if asked.get("ask") == "where":
             return {"text": self.where_now()}
         if asked.get("ask") == "stalled":
-            self.stalled(int(asked["rank"]), Activity.from_json(json.dumps(asked["activity"])), asked["timeout"])
+            self.stalled(int(asked["rank"]), Activity.from_json(json.dumps(asked["activity"])),
+                         float(asked["timeout"]))
         return None
 
     def where_now(self) -> str:
         """Rank 0: every rank's report now, kept in the run directory; the summary's text."""
         reports = self.server.ask_all(self.size, self.own)  # type: ignore[union-attr]
-        folder = self._keep(reports, time.strftime("%Y%m%d-%H%M%S"))
+        folder = self._keep(reports, "")
         lines = [f"{self.size} ranks" + (f"; every rank's whole stack in {folder}" if folder else "")]
         for rank, report in enumerate(reports):
             lines += _rank_lines(rank, report, stack=True)
@@ -108,7 +131,7 @@ class Whereabouts:
     def report_stall(self, rank: int, activity: Activity, timeout: float) -> bool:
         """`rank`'s watchdog: its collective waited past `timeout`. Rank 0 reports every rank and ends the
         job (it does not return there); elsewhere, True once rank 0 took the report, False when it could not
-        be asked (the caller reports what it knows itself)."""
+        be asked or did not acknowledge within seconds (the caller reports what it knows itself)."""
         if self.server is not None:
             self.stalled(rank, activity, timeout)
         if self.contact is None:
@@ -117,9 +140,7 @@ class Whereabouts:
         asked = {"token": token, "ask": "stalled", "rank": rank, "activity": json.loads(activity.to_json()),
                  "timeout": timeout}
         try:
-            request(host, port, asked, 3 * ANSWER_SECONDS)
-        except ConnectionError:  # rank 0 reported and left, closing this connection
-            return True
+            request(host, port, asked, 0)  # the acknowledgement: rank 0 reports and ends the job
         except OSError:
             return False
         return True
@@ -131,17 +152,20 @@ class Whereabouts:
             time.sleep(3 * ANSWER_SECONDS)
             return
         reports = self.server.ask_all(self.size, self.own)  # type: ignore[union-attr]
-        folder = self._keep(reports, time.strftime("%Y%m%d-%H%M%S") + "-stall")
+        rank, activity = _first_waiter(rank, activity, timeout, reports)
+        folder = self._keep(reports, "stall")
         sys.stderr.write("\n".join(stall_lines(rank, activity, timeout, reports, folder)) + "\n")
         sys.stderr.flush()
         self.server.tell_all_to_leave()  # type: ignore[union-attr]
-        os._exit(1)  # the training thread is blocked in a collective or the user's code; nothing else ends it
+        self._unlist()
+        end_process(1)  # the training thread is blocked in a collective or the user's code; nothing else ends it
 
     def _keep(self, reports: list[dict[str, Any] | None], name: str) -> Path | None:
         """Every rank's whole report, one file each, in the run directory (rank 0 writes shared files)."""
         if self.run_dir is None:
             return None
-        folder = self.run_dir / FOLDER / name
+        self._kept += 1  # two asks within a second keep two folders
+        folder = self.run_dir / FOLDER / "-".join(filter(None, (time.strftime("%Y%m%d-%H%M%S"), str(self._kept), name)))
         try:
             folder.mkdir(parents=True, exist_ok=True)
             for rank, report in enumerate(reports):
@@ -151,6 +175,18 @@ class Whereabouts:
             sys.stderr.write(f"hvdtrain: warning: could not keep the ranks' stacks in {folder}: {err.strerror or err}\n")
             return None
         return folder
+
+
+def _first_waiter(rank: int, activity: Activity, timeout: float,
+                  reports: list[dict[str, Any] | None]) -> tuple[int, Activity]:
+    """The lowest rank that has waited about the timeout in a collective, and its activity: the ranks'
+    watchdogs see one stall up to a polling interval apart, and the report names the same rank each time."""
+    for other, report in enumerate(reports[:rank]):
+        if report and report["collective"] and report["collective_for"] >= timeout - _WATCH_SLACK_SECONDS:
+            since = time.time() - report["collective_for"]
+            return other, Activity(where=report["where"], collective=report["collective"], since=since,
+                                   phase=report["phase"])
+    return rank, activity
 
 
 def stall_lines(rank: int, mine: Activity, timeout: float, reports: list[dict[str, Any] | None],

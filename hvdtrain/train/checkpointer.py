@@ -81,7 +81,7 @@ class Checkpointer:
         engine, timeout = self.engine, self.config.run.checkpoint_timeout
         with engine.agree("checkpoint"):  # dist: the others learn how rank 0's write went
             engine.at("waiting for rank 0 to write a checkpoint")
-            engine.doing("a checkpoint write")
+            left = engine.doing("a checkpoint write")
             started, pieces = time.monotonic(), []
             writer, late, failed = None, False, False
             for sender in range(1, engine.size) if engine.gradient_shards is not None else ():
@@ -98,6 +98,7 @@ class Checkpointer:
                 late, failed = self._wait_for(writer, started, timeout)
             if writer is not None:  # the others learn of a failure in the agreement, from rank 0's line
                 writer.raise_failure(self.store, late, timeout)
+            engine.doing(left)
 
     def _wait_for(self, writer: "_Writer | None", started: float, timeout: float) -> tuple[bool, bool]:
         """Until rank 0's `writer` is done: (whether it ran late, whether it failed), the same on every rank.

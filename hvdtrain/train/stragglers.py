@@ -1,6 +1,7 @@
-"""Which rank is slow, and why. Each rank's epoch of training splits into waiting for data, computing,
-and waiting in collectives (its engine's clock, a few attribute writes per step); the three numbers of
-every rank are gathered at the epoch's end in one small allreduce.
+"""Which rank is slow, and why. Each rank's epoch of training splits into waiting for data, computing its
+steps, waiting in collectives, and the rest (logging, callbacks, checkpoint writes: work that rank 0 may
+do alone); its engine's clock keeps them (a few attribute writes per step), and the four numbers of every
+rank are gathered at the epoch's end in one small allreduce.
 
 Ranks of one job step together, so every rank's wall time per step is the same: a slow rank shows as
 the one whose time *outside* collectives (data + compute) is high while the others wait in them. A rank
@@ -29,24 +30,25 @@ class RankTimes:
     data: list[float]
     compute: list[float]
     collectives: list[float]
+    other: list[float]
 
     def record(self) -> dict[str, list[float]]:
         """As metrics.jsonl keeps them."""
         return {"rank_data_s": _rounded(self.data), "rank_compute_s": _rounded(self.compute),
-                "rank_collective_s": _rounded(self.collectives)}
+                "rank_collective_s": _rounded(self.collectives), "rank_other_s": _rounded(self.other)}
 
 
-def gather_times(engine: Engine, began: tuple[float, float, float]) -> RankTimes | None:
+def gather_times(engine: Engine, began: tuple[float, float, float, float]) -> RankTimes | None:
     """dist: every rank, at the same point: every rank's times since its clock read `began`
     (`engine.phase_seconds()`); None on one process."""
     if engine.size == 1:
         return None
     now = engine.phase_seconds()
-    loading, waited, total = (now[i] - began[i] for i in range(3))
-    table = torch.zeros(engine.size, 3, dtype=torch.float64)
-    table[engine.rank] = torch.tensor([loading, waited, total], dtype=torch.float64)
-    rows = engine.allreduce_sum(table.reshape(-1), "rank_times").reshape(engine.size, 3).tolist()  # dist
-    return RankTimes([r[0] for r in rows], [max(0.0, r[2] - r[0] - r[1]) for r in rows], [r[1] for r in rows])
+    table = torch.zeros(engine.size, 4, dtype=torch.float64)
+    table[engine.rank] = torch.tensor([now[i] - began[i] for i in range(4)], dtype=torch.float64)
+    rows = engine.allreduce_sum(table.reshape(-1), "rank_times").reshape(engine.size, 4).tolist()  # dist
+    return RankTimes([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                     [max(0.0, r[3] - r[0] - r[1] - r[2]) for r in rows])
 
 
 def stragglers(times: RankTimes, factor: float) -> str | None:
@@ -56,7 +58,7 @@ def stragglers(times: RankTimes, factor: float) -> str | None:
     if factor <= 0 or size < 2:
         return None
     busy = [d + c for d, c in zip(times.data, times.compute)]
-    epoch = max(b + w for b, w in zip(busy, times.collectives))
+    epoch = max(b + w + o for b, w, o in zip(busy, times.collectives, times.other))
     named = []
     for rank in range(size):
         others = [value for other, value in enumerate(busy) if other != rank]

@@ -1,0 +1,117 @@
+"""In-process parts of where-is-every-rank: the report channel between threads of this process, a rank's
+clock, and the straggler rule."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from hvdtrain.engine.activity import Activity
+from hvdtrain.engine.report_channel import RankLink, ReportServer, request
+from hvdtrain.engine.stacks import main_frames, rank_report, user_frames
+from hvdtrain.train.stragglers import RankTimes, stragglers
+
+
+@pytest.fixture
+def server():
+    served = ReportServer(lambda asked: {"text": f"asked {asked['ask']}"})
+    yield served
+    served.close()
+
+
+def test_a_malformed_or_unauthorised_caller_leaves_the_server_answering(server):
+    for garbage in (b"[1]\n", b"not json\n", b'{"token": 5}\n', b'{"token": "wrong", "ask": "where"}\n'):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(garbage)
+            sock.settimeout(5)
+            assert sock.recv(100) == b""  # closed without a word
+    silent = socket.create_connection(("127.0.0.1", server.port))  # says nothing: holds up no one
+    try:
+        answer = request("127.0.0.1", server.port, {"token": server.token, "ask": "where"}, 5)
+    finally:
+        silent.close()
+    assert answer == {"text": "asked where"}
+
+
+def test_a_wrong_token_gets_no_acknowledgement(server):
+    with pytest.raises(OSError, match="closed without acknowledging"):
+        request("127.0.0.1", server.port, {"token": "0" * 32, "ask": "where"}, 5)
+
+
+def test_rank_0_gets_every_linked_rank_s_report_and_none_for_a_silent_one(server):
+    link, why = RankLink.connect(1, ["127.0.0.1"], server.port, server.token, lambda: {"rank": 1, "fine": True})
+    assert link is not None and why == ""
+    try:
+        deadline = time.monotonic() + 5
+        while 1 not in server.links and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reports = server.ask_all(3, lambda: {"rank": 0})
+        assert reports == [{"rank": 0}, {"rank": 1, "fine": True}, None]  # rank 2 never linked
+    finally:
+        link.close()
+
+
+def test_a_link_to_a_port_that_is_not_rank_0_s_is_refused():
+    with socket.create_server(("127.0.0.1", 0)) as other:  # listens, never acknowledges
+        link, why = RankLink.connect(1, ["127.0.0.1"], other.getsockname()[1], "t", dict)
+    assert link is None and "no acknowledgement" in why, why
+
+
+def test_a_report_has_the_main_thread_first_and_tells_the_user_s_frames_from_the_library_s():
+    activity = Activity()
+    activity.enter("forward")
+    reports = []
+    reader = threading.Thread(target=lambda: reports.append(rank_report(3, "cpu", activity)), name="reader")
+    reader.start()
+    reader.join()  # the main thread waits here, as a training thread would wait somewhere
+    report = reports[0]
+    assert report["rank"] == 3 and report["phase"] == "forward" and report["collective"] is None
+    assert report["stacks"][0]["thread"] == "MainThread"
+    assert "reader" not in [stack["thread"] for stack in report["stacks"]]  # not the thread writing it
+    users = user_frames(main_frames(report))
+    assert [(f[0], f[2]) for f in users] == [(__file__, "test_a_report_has_the_main_thread_first_and_tells_the_user_s_frames_from_the_library_s")]
+
+
+def test_the_clock_leaves_collective_waits_out_of_data_and_compute_and_rank_0_s_extras_out_of_both():
+    activity = Activity()
+    start = activity.clock()
+    activity.enter("data loading")
+    time.sleep(0.05)
+    activity.enter("forward")
+    time.sleep(0.05)
+    activity.enter("the optimizer step")
+    with activity.waiting("the gradient allreduce"):
+        time.sleep(0.1)
+    activity.enter("a checkpoint write")
+    time.sleep(0.05)
+    data, compute, waited, total = (now - then for now, then in zip(activity.clock(), start))
+    assert 0.05 <= data < 0.09 and 0.05 <= compute < 0.09 and 0.1 <= waited < 0.14
+    assert total - data - compute - waited >= 0.05  # the write: `other`
+
+
+def _times(data, compute, waited, other=None):
+    return RankTimes(data, compute, waited, other or [0.0] * len(data))
+
+
+def test_stragglers_names_a_rank_slow_in_data_with_its_cause_and_none_when_ranks_are_even():
+    slow = _times([0.1, 3.0, 0.1, 0.1], [1.0, 1.0, 1.1, 0.9], [3.0, 0.2, 3.0, 3.1])
+    assert stragglers(slow, 1.5) == ("rank 1: 3.6x the others' median step, 75% waiting for data: raise "
+                                     "data.num_workers, or make its reads faster")
+    even = _times([0.1, 0.12, 0.1, 0.11], [1.0, 1.1, 0.95, 1.05], [0.2, 0.1, 0.25, 0.15])
+    assert stragglers(even, 1.5) is None
+    assert stragglers(slow, 0) is None  # off
+
+
+def test_stragglers_names_a_rank_slow_in_compute_and_not_rank_0_for_its_checkpoint_writes():
+    busy_host = _times([0.1, 0.1], [1.0, 2.5], [1.6, 0.1])
+    assert stragglers(busy_host, 1.5).startswith("rank 1: 2.4x the others' median step, 96% computing")
+    writing = _times([0.1, 0.1], [1.0, 1.0], [0.1, 2.1], other=[2.0, 0.0])
+    assert stragglers(writing, 1.5) is None
+
+
+def test_a_difference_too_small_to_matter_is_not_named():
+    tiny = _times([0.001, 0.001], [0.01, 0.05], [0.05, 0.01])  # 4x, but 0.04 s of a 0.06 s epoch
+    assert stragglers(tiny, 1.5) is None
