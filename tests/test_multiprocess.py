@@ -39,6 +39,10 @@ def test_fit_runs_under_each_launcher(launcher, tmp_path, request):
     assert done.stderr.count("hvdtrain: rank 0/2 local_rank 0/2") == 1
     assert done.stderr.count("hvdtrain: rank 1/2 local_rank 1/2") == 1
     assert done.stdout.count(f"epoch {epochs}/{epochs}") == 1
+    # Even ranks: each one's times are recorded, and no straggler is named (tests/test_whereabouts.py has a slow one).
+    records = epoch_records(run_dir)
+    assert all(len(r["rank_data_s"]) == len(r["rank_compute_s"]) == 2 for r in records)
+    assert "slow:" not in done.stdout and all("stragglers" not in r for r in records), done.stdout
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])

@@ -794,3 +794,31 @@ def stuck_before_evaluation_on_rank_1():
 def slow_reading_on_rank_1():
     """Rank 1 reads each training sample 4 ms slower than rank 0: a straggler waiting for its data."""
     return _HeldOnRank1(480, slow=0.004), Blobs(60)
+
+
+class _HeldUntilReleased(nn.Module):
+    """Every rank waits in its third training forward until the file HVDTRAIN_TEST_RELEASE_FILE exists
+    (60 s at most): a test can ask a live job where it is, then let it finish. Weights as the inner model's."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.forwards = inner, 0
+
+    def forward(self, x):
+        if self.training:
+            import os
+            import time
+
+            self.forwards += 1
+            release = os.environ.get("HVDTRAIN_TEST_RELEASE_FILE", "")
+            deadline = time.monotonic() + 60
+            while self.forwards == 3 and release and not os.path.exists(release) and time.monotonic() < deadline:
+                time.sleep(0.1)  # held until the test has asked
+        return self.inner(x)
+
+
+def held_until_released(input_shape, num_classes):
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.models import build_model
+
+    return _HeldUntilReleased(build_model(ModelConfig(name="mlp"), input_shape, num_classes))
