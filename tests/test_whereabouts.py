@@ -119,14 +119,14 @@ def test_a_rank_that_never_reaches_evaluation_s_collective_is_named(tmp_path):
 # --- on demand
 
 
-def _where_while_it_runs(job: subprocess.Popen, run_dir: Path) -> subprocess.CompletedProcess:
-    """`hvdtrain where RUN_DIR` from another process, as soon as the job says where it listens."""
-    live = run_dir / "where.json"
+def _where_while_it_runs(job: subprocess.Popen, held: list[Path], run_dir: Path) -> subprocess.CompletedProcess:
+    """`hvdtrain where RUN_DIR` from another process, once every rank says it is held."""
     deadline = time.monotonic() + 60
-    while not live.exists():
+    while not all(path.exists() for path in held):
         assert job.poll() is None, job.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "the job never wrote where.json"
+        assert time.monotonic() < deadline, "the ranks never reached their hold"
         time.sleep(0.1)
+    assert (run_dir / "where.json").exists()
     return run(["hvdtrain", "where", str(run_dir)], timeout=60, cwd=run_dir.parent)
 
 
@@ -140,7 +140,7 @@ def test_where_shows_every_rank_s_stack_of_a_live_run_which_then_ends_as_if_neve
                             "--run-dir", str(asked_dir)], env={**launch_env(), "HVDTRAIN_TEST_RELEASE_FILE": str(release)},
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        where = _where_while_it_runs(job, asked_dir)
+        where = _where_while_it_runs(job, [tmp_path / f"release.held-{rank}" for rank in (0, 1)], asked_dir)
         release.touch()
         output, _ = job.communicate(timeout=120)
     finally:

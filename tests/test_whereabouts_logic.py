@@ -41,17 +41,27 @@ def test_a_wrong_token_gets_no_acknowledgement(server):
         request("127.0.0.1", server.port, {"token": "0" * 32, "ask": "where"}, 5)
 
 
-def test_rank_0_gets_every_linked_rank_s_report_and_none_for_a_silent_one(server):
-    link, why = RankLink.connect(1, ["127.0.0.1"], server.port, server.token, lambda: {"rank": 1, "fine": True})
-    assert link is not None and why == ""
+def test_rank_0_gets_every_linked_rank_s_report_and_none_for_a_silent_one(server, monkeypatch):
+    """Rank 1 answers; rank 2 answers too late the first time (its late answer is not taken for the next
+    ask's); rank 3 never linked."""
+    import hvdtrain.engine.report_channel as channel
+
+    monkeypatch.setattr(channel, "ANSWER_SECONDS", 0.5)
+    slow_once = iter([1.0])
+    links = [RankLink.connect(1, ["127.0.0.1"], server.port, server.token, lambda: {"rank": 1}),
+             RankLink.connect(2, ["127.0.0.1"], server.port, server.token,
+                              lambda: time.sleep(next(slow_once, 0)) or {"rank": 2})]
+    assert all(link is not None and why == "" for link, why in links)
     try:
         deadline = time.monotonic() + 5
-        while 1 not in server.links and time.monotonic() < deadline:
+        while len(server.links) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        reports = server.ask_all(3, lambda: {"rank": 0})
-        assert reports == [{"rank": 0}, {"rank": 1, "fine": True}, None]  # rank 2 never linked
+        assert server.ask_all(4, lambda: {"rank": 0}) == [{"rank": 0}, {"rank": 1}, None, None]
+        time.sleep(1.0)  # rank 2's late answer arrives meanwhile
+        assert server.ask_all(4, lambda: {"rank": 0}) == [{"rank": 0}, {"rank": 1}, {"rank": 2}, None]
     finally:
-        link.close()
+        for link, _ in links:
+            link.close()
 
 
 def test_a_link_to_a_port_that_is_not_rank_0_s_is_refused():
@@ -88,7 +98,7 @@ def test_the_clock_leaves_collective_waits_out_of_data_and_compute_and_rank_0_s_
     activity.enter("a checkpoint write")
     time.sleep(0.05)
     data, compute, waited, total = (now - then for now, then in zip(activity.clock(), start))
-    assert 0.05 <= data < 0.09 and 0.05 <= compute < 0.09 and 0.1 <= waited < 0.14
+    assert 0.05 <= data < 0.1 and 0.05 <= compute < 0.1 and 0.1 <= waited < 0.2  # a busy machine sleeps longer
     assert total - data - compute - waited >= 0.05  # the write: `other`
 
 

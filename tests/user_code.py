@@ -798,7 +798,8 @@ def slow_reading_on_rank_1():
 
 class _HeldUntilReleased(nn.Module):
     """Every rank waits in its third training forward until the file HVDTRAIN_TEST_RELEASE_FILE exists
-    (60 s at most): a test can ask a live job where it is, then let it finish. Weights as the inner model's."""
+    (60 s at most), saying so with the file HVDTRAIN_TEST_RELEASE_FILE.held-RANK: a test can ask a live job
+    where it is, then let it finish. Weights as the inner model's."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
@@ -811,6 +812,8 @@ class _HeldUntilReleased(nn.Module):
 
             self.forwards += 1
             release = os.environ.get("HVDTRAIN_TEST_RELEASE_FILE", "")
+            if self.forwards == 3 and release:
+                open(f"{release}.held-{_rank()}", "w").close()  # the test asks once every rank is held
             deadline = time.monotonic() + 60
             while self.forwards == 3 and release and not os.path.exists(release) and time.monotonic() < deadline:
                 time.sleep(0.1)  # held until the test has asked

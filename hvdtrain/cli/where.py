@@ -35,11 +35,11 @@ def where(run_dir: str, timeout: float) -> None:
     host = "127.0.0.1" if facts["host"] == socket.gethostname() else facts["host"]
     try:
         answer = request(host, facts["port"], {"token": facts["token"], "ask": "where"}, timeout)
-    except OSError as err:
+    except (OSError, ValueError) as err:  # ValueError: what answered is not a job's rank 0
         raise UserError(f"the job in {run_dir} does not answer (rank 0: pid {facts['pid']} on {facts['host']}, port "
                         f"{facts['port']}: {getattr(err, 'strerror', None) or err}); it may have been killed before "
                         f"it could remove {LIVE_FILE}") from None
-    if answer is None or not isinstance(answer.get("text"), str):
+    if not isinstance(answer, dict) or not isinstance(answer.get("text"), str):
         raise UserError(f"rank 0 of the job in {run_dir} did not answer within {timeout:g} s: raise --timeout")
     click.echo(f"hvdtrain where: {answer['text']}")
 

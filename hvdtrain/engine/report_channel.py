@@ -235,7 +235,7 @@ def request(host: str, port: int, message: dict[str, Any], seconds: float) -> di
         lines.send(message)
         try:
             acknowledged = lines.receive(ACK_SECONDS)
-        except ConnectionError as err:
+        except (ConnectionError, ValueError) as err:  # closed, or something else than rank 0 answered
             raise OSError(f"closed without acknowledging ({err})") from None
         if acknowledged != _ACK:
             raise OSError("no acknowledgement: rank 0's interpreter is held, or this is not its port")

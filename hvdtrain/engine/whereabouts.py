@@ -131,7 +131,8 @@ class Whereabouts:
     def report_stall(self, rank: int, activity: Activity, timeout: float) -> bool:
         """`rank`'s watchdog: its collective waited past `timeout`. Rank 0 reports every rank and ends the
         job (it does not return there); elsewhere, True once rank 0 took the report, False when it could not
-        be asked or did not acknowledge within seconds (the caller reports what it knows itself)."""
+        be asked or did not acknowledge within seconds (the caller reports what it knows itself). Once
+        acknowledged, it returns when rank 0 has left, or after 3 x ANSWER_SECONDS."""
         if self.server is not None:
             self.stalled(rank, activity, timeout)
         if self.contact is None:
@@ -140,8 +141,12 @@ class Whereabouts:
         asked = {"token": token, "ask": "stalled", "rank": rank, "activity": json.loads(activity.to_json()),
                  "timeout": timeout}
         try:
-            request(host, port, asked, 0)  # the acknowledgement: rank 0 reports and ends the job
-        except OSError:
+            # Acknowledged, then held until rank 0 has reported and left (closing this connection): this rank
+            # must not end first, or its launcher would stop rank 0 in the middle of its report.
+            request(host, port, asked, 3 * ANSWER_SECONDS)
+        except ConnectionError:  # after the acknowledgement: rank 0 reported and left
+            return True
+        except (OSError, ValueError):  # not acknowledged (request says so as OSError), or not rank 0 at all
             return False
         return True
 
