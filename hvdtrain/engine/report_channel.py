@@ -230,10 +230,14 @@ def request(host: str, port: int, message: dict[str, Any], seconds: float) -> di
     but no answer came within `seconds` (0: the acknowledgement is all that is wanted). OSError when rank 0
     cannot be reached or did not acknowledge within ACK_SECONDS; ConnectionError when it closed after
     acknowledging, without answering."""
-    with socket.create_connection((host, port), timeout=_CONNECT_SECONDS) as sock:
+    try:  # a refused or reset connection before the acknowledgement is no ConnectionError to the caller
+        sock = socket.create_connection((host, port), timeout=_CONNECT_SECONDS)
+    except ConnectionError as err:
+        raise OSError(err.strerror or str(err)) from None  # the same words; OSError(errno, ...) would be a ConnectionError again
+    with sock:
         lines = Lines(sock)
-        lines.send(message)
         try:
+            lines.send(message)
             acknowledged = lines.receive(ACK_SECONDS)
         except (ConnectionError, ValueError) as err:  # closed, or something else than rank 0 answered
             raise OSError(f"closed without acknowledging ({err})") from None
