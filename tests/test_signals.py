@@ -18,6 +18,7 @@ def test_a_signal_held_while_starting_is_the_stop_signal_of_training():
     with StopSignals("SIGTERM,SIGUSR1") as signals:
         assert signals.received == signal.SIGUSR1
         assert signal.getsignal(signal.SIGUSR1) == signals._note  # no moment without a handler
+    early_signals.restore()  # as fit does when it returns
     assert signal.getsignal(signal.SIGUSR1) == before  # what there was before fit, not the holder
 
 
@@ -58,3 +59,36 @@ def test_a_rank_stopping_on_another_rank_s_signal_survives_its_own_copy_coming_l
         "    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1)\n"
         "    print('stopping', flush=True); sys.exit(75)\n")], capture_output=True, text=True)
     assert done.returncode == 75 and done.stdout == "stopping\n", done
+
+
+def test_after_training_to_the_end_the_scheduler_s_warning_signal_is_ignored_until_the_exit():
+    """Slurm's --signal may come once training is over, while the engine shuts down or the interpreter
+    ends: nothing is left to stop, so the process ends as it was going to, not killed by it. A signal
+    that means 'end now' (SIGTERM) keeps its default."""
+    done = subprocess.run([sys.executable, "-c", (
+        "import atexit, os, signal, sys, time\n"
+        "from hvdtrain.train import early_signals\n"
+        "from hvdtrain.train.stop_policy import StopSignals\n"
+        "early_signals.hold()\n"
+        "with StopSignals('SIGTERM,SIGUSR1'): pass\n"
+        "assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL\n"
+        "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.05)\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGUSR1), time.sleep(0.05)))\n"
+        "print('finished', flush=True)\n")], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "finished\n", done
+
+
+def test_the_python_api_gets_its_own_signal_handlers_back_after_fit():
+    def mine(number, frame):
+        pass
+
+    before = signal.signal(signal.SIGUSR1, mine)
+    try:
+        early_signals.hold()
+        with StopSignals("SIGTERM,SIGUSR1"):
+            pass
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN  # until fit returns
+        early_signals.restore()
+        assert signal.getsignal(signal.SIGUSR1) is mine
+    finally:
+        signal.signal(signal.SIGUSR1, before)

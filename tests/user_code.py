@@ -560,13 +560,19 @@ def batch_norm_net(input_shape, num_classes):
 
 def signals_while_loading():
     """Blobs; with HVDTRAIN_TEST_SETUP_SIGNAL=NAME each rank sends itself that signal while its data
-    set is built, before training (a scheduler's signal soon after the start)."""
+    set is built, before training (a scheduler's signal soon after the start); with
+    HVDTRAIN_TEST_EXIT_SIGNAL=NAME, as the process exits, after fit (the same signal, late)."""
+    import atexit
     import os
     import signal
+    import time
 
     name = os.environ.get("HVDTRAIN_TEST_SETUP_SIGNAL")
     if name:
         os.kill(os.getpid(), getattr(signal, name))
+    late = os.environ.get("HVDTRAIN_TEST_EXIT_SIGNAL")
+    if late:
+        atexit.register(lambda: (os.kill(os.getpid(), getattr(signal, late)), time.sleep(0.2)))
     return Blobs(240), Blobs(60)
 
 

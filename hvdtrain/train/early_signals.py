@@ -4,7 +4,9 @@ set-up are done, and its default action would kill the rank: a requeue script wo
 instead of a stop. `hold` notes SIGUSR1 from the first moment; `stop_policy.StopSignals` takes the
 note over and stops at the first step with a checkpoint. SIGTERM and SIGINT keep their defaults
 while starting: a launcher ending a job that failed to start, or Ctrl-C, ends it at once (there is
-nothing to save yet). Imports nothing heavy: it runs before torch is imported.
+nothing to save yet). Once training has ended well, `ignore_after_training` ignores them until the
+exit: the same --signal can come while the engine shuts down, with nothing left to stop. Imports
+nothing heavy: it runs before torch is imported.
 """
 
 from __future__ import annotations
@@ -48,8 +50,19 @@ def take_over(wanted: set[int]) -> tuple[int | None, dict[int, Any]]:
     return next((number for number in noted if number in wanted), None), originals
 
 
+def ignore_after_training(handlers: dict[int, Any]) -> None:
+    """Training ended well: the HELD signals in `handlers` are ignored until `restore` puts these
+    handlers (what there was before fit) back. SIG_IGN, not a Python handler: Python resets its own
+    handlers to the default while the interpreter ends, and the signal may come then."""
+    for number, handler in handlers.items():
+        if number in HELD:
+            _original[number] = handler
+            signal.signal(number, signal.SIG_IGN)
+
+
 def restore() -> None:
-    """Gives the signals back if StopSignals did not take them over (fit ended before training)."""
+    """Gives the signals back: if StopSignals did not take them over (fit ended before training), or
+    once fit is over in a process that goes on (the Python API)."""
     for number, handler in _original.items():
         signal.signal(number, handler)
     _original.clear()

@@ -59,8 +59,11 @@ class StopSignals:
             # Stopping, maybe on another rank's signal: this rank's own copy may come now (torchrun's
             # agent passes it to one worker after another) and must not kill it as the default would.
             return
+        if kind is None:  # trained to the end: a scheduler's warning from here on has nothing to stop
+            early_signals.ignore_after_training(self._previous)
         for number, handler in self._previous.items():
-            signal.signal(number, handler)
+            if signal.getsignal(number) == self._note:
+                signal.signal(number, handler)
 
     def _note(self, number: int, frame: Any) -> None:
         now = time.monotonic()
