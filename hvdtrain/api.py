@@ -61,12 +61,9 @@ def fit(model: ModelLike | None = None, data: DataLike | None = None, task: Any 
     return fit_from(lambda: fit_config(model, data, task, callbacks, config, overrides, engine, settings))
 
 
-def fit_from(make_config: Callable[[], Config], on_failure: Callable[[Exception], None] | None = None,
-             process_ends: bool = False) -> dict[str, Any]:
+def fit_from(make_config: Callable[[], Config], on_failure: Callable[[Exception], None] | None = None) -> dict[str, Any]:
     """What `hvdtrain.fit` and the command share: the config made, the engine it names started, the
-    run trained; `on_failure(err)` sees a failure before the engine shuts down (`running_engine`).
-    `process_ends` (the command): the stop signals stay as fit left them until the exit, so that
-    Slurm's --signal during the engine's shutdown or the interpreter's end does not kill a finished run."""
+    run trained; `on_failure(err)` sees a failure before the engine shuts down (`running_engine`)."""
     from hvdtrain.train import early_signals
 
     early_signals.hold()  # a scheduler's signal while starting stops at the first step, not kills
@@ -85,8 +82,7 @@ def fit_from(make_config: Callable[[], Config], on_failure: Callable[[Exception]
                     say(f"hvdtrain: warning: {warning}")
             return run_fit(cfg, started)
     finally:
-        if not process_ends:
-            early_signals.restore()
+        early_signals.restore()
 
 
 def fit_config(model: Any, data: Any, task: Any, callbacks: Sequence[Any], config: str | Path | None,

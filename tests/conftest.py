@@ -88,10 +88,15 @@ def epoch_records(run_dir: Path) -> list[dict]:
 
 
 def fit_here(run_dir: Path, *args: str) -> dict:
-    """`hvdtrain fit` on the local engine in this process, no launcher: the run's summary."""
+    """`hvdtrain fit` on the local engine in this process, no launcher: the run's summary. The process
+    goes on, so fit gives its signal handlers back (a SIG_IGN left would reach every later subprocess)."""
+    import signal
+
     from hvdtrain.cli import main
 
+    before = signal.getsignal(signal.SIGUSR1)
     main(["fit", "--progress", "off", "--engine", "local", "--run-dir", str(run_dir), *args])
+    assert signal.getsignal(signal.SIGUSR1) == before
     return run_summary(run_dir)
 
 

@@ -36,7 +36,12 @@ for command in (fit.fit, fit.plan, after.evaluate, after.predict, after.export_m
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point: one clear line from rank 0 for bad input, tracebacks only with --debug."""
+    """Entry point: one clear line from rank 0 for bad input, tracebacks only with --debug. Without
+    `argv`, the process's own command line: the process ends with the command."""
+    if argv is None:
+        from hvdtrain.train import early_signals
+
+        early_signals.in_the_command_s_process()
     try:
         _main(argv)
     except SystemExit as leaving:

@@ -63,8 +63,7 @@ def fit(config_path: str | None, assignments: Sequence[str], engine: str | None,
     """Train a model; under horovodrun or mpirun, on every process."""
     from hvdtrain.api import fit_from
 
-    fit_from(lambda: fit_config(config_path, assignments, flags, engine), lambda err: report_and_exit(err, debug),
-             process_ends=True)
+    fit_from(lambda: fit_config(config_path, assignments, flags, engine), lambda err: report_and_exit(err, debug))
 
 
 def fit_config(config_path: str | None, assignments: Sequence[str], flags: dict[str, Any], engine: str | None = None):

@@ -23,6 +23,14 @@ SAME_DELIVERY_SECONDS = 2.0
 
 _noted: list[tuple[int, float]] = []  # (signal, time.monotonic())
 _original: dict[int, Any] = {}
+_command_process = False  # the `hvdtrain` command's own process: it ends when fit does
+
+
+def in_the_command_s_process() -> None:
+    """Said by the `hvdtrain` entry point (not by a call from Python, whose process goes on): `restore`
+    keeps the signals as fit left them, up to the process's end."""
+    global _command_process
+    _command_process = True
 
 
 def hold() -> None:
@@ -61,8 +69,11 @@ def ignore_after_training(handlers: dict[int, Any]) -> None:
 
 
 def restore() -> None:
-    """Gives the signals back: if StopSignals did not take them over (fit ended before training), or
-    once fit is over in a process that goes on (the Python API)."""
+    """Gives the signals back, as fit ends: if StopSignals did not take them over (fit ended before
+    training), or after training (the Python API: the process goes on). Not in the command's process,
+    whose end may still be signalled (and whose children would inherit SIG_IGN: nothing else may)."""
+    if _command_process:
+        return
     for number, handler in _original.items():
         signal.signal(number, handler)
     _original.clear()
