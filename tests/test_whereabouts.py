@@ -183,7 +183,7 @@ def test_where_says_in_one_line_when_no_job_runs_there_or_its_file_is_not_a_job_
 
 
 def test_a_rank_slow_to_read_its_data_is_named_as_a_straggler(tmp_path):
-    """Rank 1 reads each sample 4 ms slower: every epoch's line names it, with data as the cause. (Even
+    """Rank 1 reads each sample 8 ms slower: every epoch's line names it, with data as the cause. (Even
     ranks name none: test_multiprocess.py's run under each launcher checks that.)"""
     slow = fit_ok("horovodrun-gloo", "--data", "user_code:slow_reading_on_rank_1", "--epochs", "2",
                   "--batch-size", "16", "--run-dir", str(tmp_path / "slow"))

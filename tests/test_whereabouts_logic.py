@@ -125,3 +125,31 @@ def test_stragglers_names_a_rank_slow_in_compute_and_not_rank_0_for_its_checkpoi
 def test_a_difference_too_small_to_matter_is_not_named():
     tiny = _times([0.001, 0.001], [0.01, 0.05], [0.05, 0.01])  # 4x, but 0.04 s of a 0.06 s epoch
     assert stragglers(tiny, 1.5) is None
+    # A busy host's hiccup: rank 1 held back half a second in an epoch of about one (a loaded CI machine).
+    hiccup = _times([0.0438, 0.5465], [0.0628, 0.0775], [0.9014, 0.1947], other=[0.001, 0.0736])
+    assert stragglers(hiccup, 1.5) is None
+
+
+def test_a_collective_of_set_up_waits_a_minute_at_least_and_one_of_training_the_stall_timeout(monkeypatch, capsys):
+    """Ranks set up unevenly (imports from a cold shared file system, their own data): a rank 30 s ahead
+    in set-up is no stall with train.stall_timeout 1; the same wait in training is."""
+    from hvdtrain.engine import watchdog
+    from hvdtrain.engine.activity import wait_rule
+
+    ended: list[int] = []
+    monkeypatch.setattr(watchdog, "end_process", ended.append)
+    activity = Activity(collective="allgather 'agree.setup'", since=time.time() - 30)
+    dog = watchdog.StallWatchdog(activity, None, 1, rank=lambda: 0, size=lambda: 2).start()
+    try:
+        time.sleep(0.6)
+        assert ended == []
+        activity.at("epoch 1, step 3")
+        deadline = time.monotonic() + 5
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        dog.stop()
+    assert ended[:1] == [1]
+    assert "at epoch 1, step 3 (train.stall_timeout 1 s); not there: rank 1 (never reported)" in capsys.readouterr().err
+    assert wait_rule("set-up", 5) == "train.stall_timeout 5 s, 60 s at least in set-up"
+    assert wait_rule("set-up", 300) == "train.stall_timeout 300 s"

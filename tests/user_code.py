@@ -798,8 +798,9 @@ def stuck_before_evaluation_on_rank_1():
 
 
 def slow_reading_on_rank_1():
-    """Rank 1 reads each training sample 4 ms slower than rank 0: a straggler waiting for its data."""
-    return _HeldOnRank1(480, slow=0.004), Blobs(60)
+    """Rank 1 reads each training sample 8 ms slower than rank 0 (about 2 s an epoch): a straggler waiting
+    for its data."""
+    return _HeldOnRank1(480, slow=0.008), Blobs(60)
 
 
 class _HeldUntilReleased(nn.Module):

@@ -52,7 +52,8 @@ class TrainConfig:
     its own (validation then uses each rank's, and `evaluate` of a checkpoint differs from fit's)."""
     stall_timeout: int = 300
     """dist: seconds a collective may wait for missing ranks before the job stops, saying where every rank
-    was (each one's Python stack, kept in the run directory's where/); 0 switches it off."""
+    was (each one's Python stack, kept in the run directory's where/); 60 at least in set-up, before the
+    first step; 0 switches it off."""
     straggler_factor: float = 1.5
     """dist: name a rank in the epoch's line when its time outside collectives (data + compute) is over this
     many times the other ranks' median, with where its time went (README, When a job hangs or is slow); 0: off."""

@@ -10,6 +10,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
+SET_UP = "set-up"
+"""Where a rank is from its start to its first training step."""
+SET_UP_SECONDS = 60.0
+"""The least a collective of set-up waits before it is a stall, whatever train.stall_timeout says: ranks
+import, read their data and build the model at their own pace (a cold shared file system, a busy host),
+far less evenly than they take steps."""
 DATA_LOADING = "data loading"
 """The phase a rank waits for its next training batch in; its time is the straggler check's `data`."""
 COMPUTE = ("batch to device", "forward", "backward", "the optimizer step")
@@ -21,12 +27,12 @@ rest (a checkpoint write, logging, a callback: work rank 0 may do alone) is `oth
 class Activity:
     """Where this rank is; written by the training thread, read by the watchdog and the reports."""
 
-    where: str = "set-up"
+    where: str = SET_UP
     collective: str | None = None
     """The collective this rank waits in, or None while it computes."""
     since: float = 0.0
     """time.time() when `collective` began (wall clock: compared across hosts)."""
-    phase: str = "set-up"
+    phase: str = SET_UP
     """What the training thread does outside collectives: data loading, forward, backward, the optimizer
     step, evaluation, a checkpoint write, a callback."""
     phase_since: float = field(default_factory=time.time, compare=False)
@@ -92,3 +98,15 @@ class Activity:
 
 
 _PUBLISHED = ("where", "collective", "since", "phase", "phase_since")
+
+
+def allowed_wait(where: str, timeout: float) -> float:
+    """Seconds a collective at `where` may wait before it is a stall: `timeout` (train.stall_timeout),
+    and SET_UP_SECONDS at least in set-up."""
+    return max(timeout, SET_UP_SECONDS) if where == SET_UP else timeout
+
+
+def wait_rule(where: str, timeout: float) -> str:
+    """The stall report's words for `allowed_wait`."""
+    return f"train.stall_timeout {timeout:g} s" + (f", {SET_UP_SECONDS:g} s at least in set-up"
+                                                   if allowed_wait(where, timeout) > timeout else "")

@@ -13,7 +13,7 @@ import torch
 from hvdtrain.engine.base import ElasticState, GradientSync, T
 from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.errors import UserError
-from hvdtrain.engine.activity import Activity
+from hvdtrain.engine.activity import SET_UP_SECONDS, Activity
 from hvdtrain.engine.watchdog import Board, KeyValueBoard, StallWatchdog
 
 try:
@@ -75,9 +75,10 @@ class HorovodEngine(WatchedEngine):
         if stall_timeout > 0:
             # dist: hvdtrain's watchdog reports a stall first, with every rank's stack; Horovod's stall
             # inspector is the last resort behind it (a rank that could not reach rank 0's report port).
-            # Horovod reads these at init; a user's own settings win.
-            os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(stall_timeout + 15))
-            os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(stall_timeout + 30))
+            # Horovod reads these at init; a user's own settings win. Set-up waits longer (SET_UP_SECONDS).
+            longest = int(max(stall_timeout, SET_UP_SECONDS))
+            os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(longest + 15))
+            os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(longest + 30))
         for name, value in MPI_SETTINGS.items():  # read by MPI_Init; a user's own settings win
             os.environ.setdefault(name, value)
         if timeline:

@@ -27,7 +27,7 @@ from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.engine.buckets import BucketHooks, buckets, grads_with_flags, set_gradient
 from hvdtrain.engine.environment import launcher_facts, port_for_job, slurm_first_node
 from hvdtrain.errors import RendezvousFailed, UserError, message_lines
-from hvdtrain.engine.activity import Activity
+from hvdtrain.engine.activity import SET_UP_SECONDS, Activity
 from hvdtrain.engine.watchdog import Board, StallWatchdog
 
 # What Gloo's TCP transport says when the rank at the other end of a collective has gone.
@@ -73,8 +73,9 @@ class TorchEngine(WatchedEngine):
         rank, size, local_rank, local_size = facts
         init_method = _init_method(local_size == size)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        # The process group's own timeout is a last resort: the stall watchdog reports first, naming ranks.
-        timeout = datetime.timedelta(seconds=stall_timeout + 60 if stall_timeout > 0 else 1800)
+        # The process group's own timeout is a last resort: the stall watchdog reports first, naming ranks
+        # (in set-up, after SET_UP_SECONDS at least).
+        timeout = datetime.timedelta(seconds=max(stall_timeout, SET_UP_SECONDS) + 60 if stall_timeout > 0 else 1800)
         where = f"{init_method}{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" \
             if init_method == "env://" else init_method
         if rank != 0:  # rank 0 hosts the rendezvous; the others connect to it

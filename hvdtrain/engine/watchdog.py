@@ -20,7 +20,7 @@ import time
 import urllib.request
 from typing import Any, Callable, Protocol
 
-from hvdtrain.engine.activity import Activity
+from hvdtrain.engine.activity import Activity, allowed_wait, wait_rule
 from hvdtrain.engine.report_channel import end_process
 
 _SCOPE = "hvdtrain-activity"
@@ -101,7 +101,8 @@ class StallWatchdog:
                 with contextlib.suppress(OSError, RuntimeError):  # the store is unreachable: next pass
                     self.board.publish(rank, current)
                     published = current
-            if current.collective is not None and time.time() - current.since > self.timeout:
+            if current.collective is not None and time.time() - current.since > allowed_wait(current.where,
+                                                                                             self.timeout):
                 self._stalled(rank, current)
 
     def _stalled(self, rank: int, mine: Activity) -> None:
@@ -113,13 +114,14 @@ class StallWatchdog:
         others = {other: board.read(other) if board else None for other in range(self.size()) if other != rank}
         missing = [f"rank {r} ({a.describe() if a else 'never reported'})" for r, a in others.items()
                    if a is None or (a.collective, a.where) != (mine.collective, mine.where)]
-        if any(r < rank and a and a.collective and now - a.since > self.timeout for r, a in others.items()):
+        if any(r < rank and a and a.collective and now - a.since > allowed_wait(a.where, self.timeout)
+               for r, a in others.items()):
             time.sleep(_GRACE_SECONDS)  # a lower rank is stalled too and reports; give it time
         if not missing:
             missing = ["none: every rank waits here, so one of them has not reached its part of it"]
         sys.stderr.write(
             f"hvdtrain: error: the job stalled: rank {rank} waited {time.time() - mine.since:.0f} s in "
-            f"{mine.collective} at {mine.where} (train.stall_timeout {self.timeout:g} s); not there: "
+            f"{mine.collective} at {mine.where} ({wait_rule(mine.where, self.timeout)}); not there: "
             f"{', '.join(missing)}. Every rank must run the same collectives; raise train.stall_timeout "
             "if a step can take that long\n")
         sys.stderr.flush()

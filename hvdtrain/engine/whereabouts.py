@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hvdtrain.engine.activity import Activity
+from hvdtrain.engine.activity import Activity, allowed_wait, wait_rule
 from hvdtrain.engine.report_channel import (ANSWER_SECONDS, RankLink, ReportServer, end_process, own_addresses,
                                             request)
 from hvdtrain.engine.stacks import frame_line, main_frames, rank_report, report_text, state, user_frames
@@ -187,7 +187,8 @@ def _first_waiter(rank: int, activity: Activity, timeout: float,
     """The lowest rank that has waited about the timeout in a collective, and its activity: the ranks'
     watchdogs see one stall up to a polling interval apart, and the report names the same rank each time."""
     for other, report in enumerate(reports[:rank]):
-        if report and report["collective"] and report["collective_for"] >= timeout - _WATCH_SLACK_SECONDS:
+        if report and report["collective"] and \
+                report["collective_for"] >= allowed_wait(report["where"], timeout) - _WATCH_SLACK_SECONDS:
             since = time.time() - report["collective_for"]
             return other, Activity(where=report["where"], collective=report["collective"], since=since,
                                    phase=report["phase"])
@@ -204,7 +205,7 @@ def stall_lines(rank: int, mine: Activity, timeout: float, reports: list[dict[st
     missing = [f"rank {r} ({_short(report)})" for r, report in away] or \
         ["none: every rank waits here, so one of them has not reached its part of it"]
     lines = [f"hvdtrain: error: the job stalled: rank {rank} waited {time.time() - mine.since:.0f} s in "
-             f"{mine.collective} at {mine.where} (train.stall_timeout {timeout:g} s); not there: "
+             f"{mine.collective} at {mine.where} ({wait_rule(mine.where, timeout)}); not there: "
              f"{', '.join(missing)}. Every rank must run the same collectives; raise train.stall_timeout "
              "if a step can take that long",
              "hvdtrain: where each rank was" + (f" (every rank's whole stack: {folder})" if folder else "") + ":"]

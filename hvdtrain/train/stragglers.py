@@ -6,7 +6,7 @@ rank are gathered at the epoch's end in one small allreduce.
 Ranks of one job step together, so every rank's wall time per step is the same: a slow rank shows as
 the one whose time *outside* collectives (data + compute) is high while the others wait in them. A rank
 is named when that time is more than `train.straggler_factor` times the median of the other ranks' and
-the difference is a visible part of the epoch (a tenth, and 0.2 s at least).
+the difference is a visible part of the epoch (a tenth, and a second at least).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import torch
 
 from hvdtrain.engine import Engine
 
-_VISIBLE, _VISIBLE_SECONDS = 0.1, 0.2
+_VISIBLE, _VISIBLE_SECONDS = 0.1, 1.0
 """The least part of the epoch's time, and the fewest seconds, a straggler's extra time must be: less is
-noise (a busy core, the first steps' warm-up) and not worth a line."""
+noise (a busy core, the first steps' warm-up) and not worth a line. A host with more processes than
+cores can hold one rank back half a second in an epoch of one, once: not a straggler."""
 
 
 @dataclass(frozen=True)
