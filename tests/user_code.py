@@ -394,12 +394,14 @@ class _SignalsItself(nn.Module):
     forward pass on that rank (RANK `all`: every rank; N `vK`: its Kth evaluation forward pass), as a
     scheduler would at that moment (RANK:N:SIGNAL:workers: to its data-loader workers first). HVDTRAIN_TEST_OVERFLOW=N: rank 1's gradient overflows in fp16 in its
     Nth training forward pass.
-    HVDTRAIN_TEST_DROPOUT sets the dropout (0: none, for runs compared across world sizes)."""
+    HVDTRAIN_TEST_DROPOUT sets the dropout (0: none, for runs compared across world sizes);
+    HVDTRAIN_TEST_EXIT_SIGNAL as `_signal_at_exit`."""
 
     def __init__(self, inner: nn.Module):
         import os
 
         super().__init__()
+        _signal_at_exit()
         self.inner, self.dropout, self.forwards = inner, nn.Dropout(float(os.environ.get("HVDTRAIN_TEST_DROPOUT", 0.2))), 0
         rank, count, name, *also = (os.environ.get("HVDTRAIN_TEST_SIGNAL", "") or "-1:0:SIGTERM").split(":")
         self.to_workers = also == ["workers"]  # its data-loader workers get it first, as Slurm signals them all
@@ -560,20 +562,27 @@ def batch_norm_net(input_shape, num_classes):
 
 def signals_while_loading():
     """Blobs; with HVDTRAIN_TEST_SETUP_SIGNAL=NAME each rank sends itself that signal while its data
-    set is built, before training (a scheduler's signal soon after the start); with
-    HVDTRAIN_TEST_EXIT_SIGNAL=NAME, as the process exits, after fit (the same signal, late)."""
+    set is built, before training (a scheduler's signal soon after the start)."""
+    import os
+    import signal
+
+    name = os.environ.get("HVDTRAIN_TEST_SETUP_SIGNAL")
+    if name:
+        os.kill(os.getpid(), getattr(signal, name))
+    return Blobs(240), Blobs(60)
+
+
+def _signal_at_exit() -> None:
+    """With HVDTRAIN_TEST_EXIT_SIGNAL=NAME, this process sends itself that signal as it exits, after fit
+    (Slurm's --signal can come while a finished job's ranks shut down)."""
     import atexit
     import os
     import signal
     import time
 
-    name = os.environ.get("HVDTRAIN_TEST_SETUP_SIGNAL")
+    name = os.environ.get("HVDTRAIN_TEST_EXIT_SIGNAL")
     if name:
-        os.kill(os.getpid(), getattr(signal, name))
-    late = os.environ.get("HVDTRAIN_TEST_EXIT_SIGNAL")
-    if late:
-        atexit.register(lambda: (os.kill(os.getpid(), getattr(signal, late)), time.sleep(0.2)))
-    return Blobs(240), Blobs(60)
+        atexit.register(lambda: (os.kill(os.getpid(), getattr(signal, name)), time.sleep(0.2)))
 
 
 class _WithUnusedBranch(nn.Module):
