@@ -78,6 +78,14 @@ def test_after_training_to_the_end_the_scheduler_s_warning_signal_is_ignored_unt
     assert done.returncode == 0 and done.stdout == "finished\n", done
 
 
+def test_without_hold_training_s_end_gives_the_handlers_back_at_once():
+    """train.fit.fit called directly (no fit_from to restore later): nothing is left ignored."""
+    before = signal.getsignal(signal.SIGUSR1)
+    with StopSignals("SIGTERM,SIGUSR1"):
+        pass
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
 def test_the_python_api_gets_its_own_signal_handlers_back_after_fit():
     def mine(number, frame):
         pass

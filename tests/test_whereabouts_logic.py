@@ -151,5 +151,16 @@ def test_a_collective_of_set_up_waits_a_minute_at_least_and_one_of_training_the_
         dog.stop()
     assert ended[:1] == [1]
     assert "at epoch 1, step 3 (train.stall_timeout 1 s); not there: rank 1 (never reported)" in capsys.readouterr().err
+    ended.clear()  # and set-up has its limit: a minute
+    late = Activity(collective="allgather 'agree.setup'", since=time.time() - 61)
+    dog = watchdog.StallWatchdog(late, None, 1, rank=lambda: 0, size=lambda: 2).start()
+    try:
+        deadline = time.monotonic() + 5
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        dog.stop()
+    assert ended[:1] == [1]
+    assert "at set-up (train.stall_timeout 1 s, 60 s at least in set-up)" in capsys.readouterr().err
     assert wait_rule("set-up", 5) == "train.stall_timeout 5 s, 60 s at least in set-up"
     assert wait_rule("set-up", 300) == "train.stall_timeout 300 s"

@@ -24,6 +24,8 @@ SAME_DELIVERY_SECONDS = 2.0
 _noted: list[tuple[int, float]] = []  # (signal, time.monotonic())
 _original: dict[int, Any] = {}
 _command_process = False  # the `hvdtrain` command's own process: it ends when fit does
+_holding = False  # between `hold` and `restore`: someone gives the signals back
+_ignored: set[int] = set()  # by `ignore_after_training`
 
 
 def in_the_command_s_process() -> None:
@@ -35,8 +37,10 @@ def in_the_command_s_process() -> None:
 
 def hold() -> None:
     """Notes HELD signals instead of dying on them, until `take_over` or `restore`."""
+    global _holding
     if threading.current_thread() is not threading.main_thread():
         return
+    _holding = True
     for number in HELD:
         _original[number] = signal.signal(number, _note)
 
@@ -61,23 +65,31 @@ def take_over(wanted: set[int]) -> tuple[int | None, dict[int, Any]]:
 def ignore_after_training(handlers: dict[int, Any]) -> None:
     """Training ended well: the HELD signals in `handlers` are ignored until `restore` puts these
     handlers (what there was before fit) back. SIG_IGN, not a Python handler: Python resets its own
-    handlers to the default while the interpreter ends, and the signal may come then."""
+    handlers to the default while the interpreter ends, and the signal may come then. Nothing without
+    `hold` first (a direct call of train.fit.fit: nobody would restore them)."""
+    if not _holding:
+        return
     for number, handler in handlers.items():
         if number in HELD:
             _original[number] = handler
+            _ignored.add(number)
             signal.signal(number, signal.SIG_IGN)
 
 
 def restore() -> None:
-    """Gives the signals back, as fit ends: if StopSignals did not take them over (fit ended before
-    training), or after training (the Python API: the process goes on). Not in the command's process,
-    whose end may still be signalled (and whose children would inherit SIG_IGN: nothing else may)."""
-    if _command_process:
-        return
+    """Gives the signals back as fit ends: if StopSignals did not take them over (fit ended before
+    training), or after training (the Python API: the process goes on). In the command's process the
+    signals ignored after training stay ignored: its end may still be signalled (and it starts no
+    child to inherit SIG_IGN)."""
+    global _holding
+    kept = _ignored if _command_process else set()
     for number, handler in _original.items():
-        signal.signal(number, handler)
+        if number not in kept:
+            signal.signal(number, handler)
     _original.clear()
     _noted.clear()
+    _ignored.clear()
+    _holding = False
 
 
 def _note(number: int, frame: Any) -> None:

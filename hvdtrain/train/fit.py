@@ -28,6 +28,9 @@ def fit(config: Config, engine: Engine) -> dict[str, Any]:
     sys.stderr.write(f"hvdtrain: {engine.describe()}\n")  # every rank, once; one write keeps it whole
     sys.stderr.flush()
     if config.train.elastic:
-        early_signals.take_over(set())  # no stop signals: Horovod's elastic driver replaces a worker that dies
-        return fit_elastic(config, engine, started)
+        # No stop signals: Horovod's elastic driver replaces a worker that dies.
+        _, originals = early_signals.take_over(set())
+        summary = fit_elastic(config, engine, started)
+        early_signals.ignore_after_training(originals)  # as a plain run's end: nothing left to stop
+        return summary
     return fit_plain(config, engine, started)

@@ -31,7 +31,8 @@ Stop = Callable[[], Exception]
 
 class StopSignals:
     """Notes the configured signals instead of dying on them; a second one ends the process as the
-    signal's default would (so a scheduler's or user's insistence still works)."""
+    signal's default would (so a scheduler's or user's insistence still works). Once training has
+    ended well, SIGUSR1 (the scheduler's warning) is ignored instead (`early_signals`)."""
 
     # A repeat within this many seconds is the same delivery reaching this process twice (Slurm
     # signals every process of a step, and a launcher passes the signal on as well).
