@@ -130,36 +130,38 @@ def test_a_difference_too_small_to_matter_is_not_named():
     assert stragglers(hiccup, 1.5) is None
 
 
+def _watched(activity: Activity, ended: list[int], change=None) -> None:
+    """A watchdog (train.stall_timeout 1, no board) over `activity` until it ends the process (noted in
+    `ended`) or 5 s pass; `change(activity)` after 0.6 s, when nothing may have ended it yet."""
+    from hvdtrain.engine import watchdog
+
+    dog = watchdog.StallWatchdog(activity, None, 1, rank=lambda: 0, size=lambda: 2).start()
+    try:
+        if change is not None:
+            time.sleep(0.6)
+            assert ended == []
+            change(activity)
+        deadline = time.monotonic() + 5
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        dog.stop()
+
+
 def test_a_collective_of_set_up_waits_a_minute_at_least_and_one_of_training_the_stall_timeout(monkeypatch, capsys):
     """Ranks set up unevenly (imports from a cold shared file system, their own data): a rank 30 s ahead
-    in set-up is no stall with train.stall_timeout 1; the same wait in training is."""
+    in set-up is no stall with train.stall_timeout 1; the same wait in training is, and a minute in set-up."""
     from hvdtrain.engine import watchdog
     from hvdtrain.engine.activity import wait_rule
 
     ended: list[int] = []
     monkeypatch.setattr(watchdog, "end_process", ended.append)
-    activity = Activity(collective="allgather 'agree.setup'", since=time.time() - 30)
-    dog = watchdog.StallWatchdog(activity, None, 1, rank=lambda: 0, size=lambda: 2).start()
-    try:
-        time.sleep(0.6)
-        assert ended == []
-        activity.at("epoch 1, step 3")
-        deadline = time.monotonic() + 5
-        while not ended and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        dog.stop()
+    _watched(Activity(collective="allgather 'agree.setup'", since=time.time() - 30), ended,
+             change=lambda activity: activity.at("epoch 1, step 3"))
     assert ended[:1] == [1]
     assert "at epoch 1, step 3 (train.stall_timeout 1 s); not there: rank 1 (never reported)" in capsys.readouterr().err
-    ended.clear()  # and set-up has its limit: a minute
-    late = Activity(collective="allgather 'agree.setup'", since=time.time() - 61)
-    dog = watchdog.StallWatchdog(late, None, 1, rank=lambda: 0, size=lambda: 2).start()
-    try:
-        deadline = time.monotonic() + 5
-        while not ended and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        dog.stop()
+    ended.clear()
+    _watched(Activity(collective="allgather 'agree.setup'", since=time.time() - 61), ended)
     assert ended[:1] == [1]
     assert "at set-up (train.stall_timeout 1 s, 60 s at least in set-up)" in capsys.readouterr().err
     assert wait_rule("set-up", 5) == "train.stall_timeout 5 s, 60 s at least in set-up"
