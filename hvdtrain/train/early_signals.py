@@ -4,8 +4,8 @@ set-up are done, and its default action would kill the rank: a requeue script wo
 instead of a stop. `hold` notes SIGUSR1 from the first moment; `stop_policy.StopSignals` takes the
 note over and stops at the first step with a checkpoint. SIGTERM and SIGINT keep their defaults
 while starting: a launcher ending a job that failed to start, or Ctrl-C, ends it at once (there is
-nothing to save yet). Once training has ended well, `ignore_after_training` ignores them until the
-exit: the same --signal can come while the engine shuts down, with nothing left to stop. Imports
+nothing to save yet). Once training has ended well, `ignore_after_training` ignores SIGUSR1 until
+the exit: the same --signal can come while the engine shuts down, with nothing left to stop. Imports
 nothing heavy: it runs before torch is imported.
 """
 
