@@ -27,7 +27,7 @@ done
 # matplotlib, psutil, cloudpickle). What it may lack travels: Horovod's build needs setuptools < 81
 # (its build and its runner use distutils, which Python 3.12 has only through setuptools) and wheel,
 # its runtime packaging; the gpu tests pytest and pytest-timeout (pyproject's `timeout`).
-carried=("setuptools<81" wheel packaging pytest pluggy iniconfig pytest-timeout)
+carried=("setuptools<81" wheel packaging cffi pycparser pytest pluggy iniconfig pytest-timeout)
 
 say() { printf '[gpu-kit] %s\n' "$*"; }
 pip() { "$python" -m pip --disable-pip-version-check -q "$@"; }
@@ -64,29 +64,42 @@ if [ ! -f "$sdist" ]; then
 fi
 cp "$sdist" "$out/sdist/"
 
-# 2. The carried wheels, for CPython 3.12 on manylinux x86-64 (pure-Python ones fit any Python).
+# 2. The carried wheels, for CPython 3.12 (the GPU image's) and this Python on manylinux x86-64: a
+# binary wheel (cffi) is kept for each, so the kit also installs here, where its install is tested.
 specs=()
 for spec in "${carried[@]}"; do specs+=("$(pinned "$spec")"); done
-wanted=()
-for spec in "${specs[@]}"; do
-  case "$spec" in
-    *==*) name="${spec%%==*}"; version="${spec#*==}"
-          ls "$cache/${name//-/_}-$version-"*.whl >/dev/null 2>&1 || wanted+=("$spec") ;;
-    *) wanted+=("$spec") ;;
-  esac
+pythons=(3.12)
+here_python=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+[ "$here_python" = 3.12 ] || pythons+=("$here_python")
+
+# The cached wheel of NAME VERSION that CPython PY (e.g. 3.12) can install, if any.
+cached() {
+  find "$cache" -maxdepth 1 \( -name "${1//-/_}-$2-py*-none-any.whl" -o -name "${1//-/_}-$2-cp${3/./}-*.whl" \) | head -n 1
+}
+
+for py in "${pythons[@]}"; do
+  wanted=()
+  for spec in "${specs[@]}"; do
+    case "$spec" in
+      *==*) [ -n "$(cached "${spec%%==*}" "${spec#*==}" "$py")" ] || wanted+=("$spec") ;;
+      *) [ "$py" = 3.12 ] && wanted+=("$spec") ;;  # unpinned: pure Python, fetched once
+    esac
+  done
+  if [ ${#wanted[@]} -gt 0 ]; then
+    say "downloading ${wanted[*]} for Python $py"
+    pip download --only-binary=:all: --no-deps --python-version "$py" --implementation cp \
+      --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      -d "$cache" "${wanted[@]}"
+  fi
 done
-if [ ${#wanted[@]} -gt 0 ]; then
-  say "downloading ${wanted[*]}"
-  pip download --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
-    --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    -d "$cache" "${wanted[@]}"
-fi
 for spec in "${specs[@]}"; do
   name="${spec%%[<>=]*}"
-  version="${spec#*==}"
-  [ "$version" = "$spec" ] && version=""  # unpinned: the newest one downloaded
-  wheel=$(find "$cache" -maxdepth 1 -name "${name//-/_}-$version*.whl" -printf '%T@ %p\n' | sort -rn | head -n 1 | cut -d' ' -f2-)
-  cp "$wheel" "$out/wheels/"
+  if [ "$spec" = "${spec#*==}" ]; then  # unpinned: the newest one downloaded
+    find "$cache" -maxdepth 1 -name "${name//-/_}-*.whl" -printf '%T@ %p\n' | sort -rn | head -n 1 | cut -d' ' -f2- |
+      xargs -I{} cp {} "$out/wheels/"
+  else
+    for py in "${pythons[@]}"; do cp "$(cached "$name" "${spec#*==}" "$py")" "$out/wheels/"; done
+  fi
 done
 
 # 3. hvdtrain itself, from this working tree.
@@ -104,7 +117,7 @@ for wheel in "$out"/wheels/*.whl; do
   file=$(basename "$wheel")
   IFS=- read -r name version _ <<<"$file"
   echo "$name==$version"
-done >"$out/requirements.txt"
+done | sort -u >"$out/requirements.txt"
 
 limit_mib=64  # what travels to the GPU machine beside the working tree
 bytes=$(du -sb "$out" | cut -f1)

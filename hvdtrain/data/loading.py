@@ -37,7 +37,7 @@ def batches(dataset: Dataset, sampler: Sampler[list[int]] | list[list[int]], num
     """Batches in the order `sampler` gives (an iterable that can be re-iterated each epoch).
     `stop_signals`: what the workers leave to their rank (run.stop_signals)."""
     if isinstance(dataset, TensorDataset) and num_workers == 0 and collate is None:
-        return _TensorBatches(dataset.tensors, sampler)
+        return _TensorBatches(dataset.tensors, sampler, pin_memory)
     if num_workers > 0:
         dataset = _SeededInWorkers(dataset)
     # A generator of its own: each new iterator draws a base seed for its workers, which from the
@@ -124,11 +124,17 @@ def _padded(values: list[Any], pad_value: int) -> Any:
     return pad_sequence(tensors, batch_first=True, padding_value=pad_value)
 
 
-class _TensorBatches:
-    """One gather per batch instead of one `__getitem__` call and a collate per sample."""
+def gathers_only(batches: Iterable) -> bool:
+    """Whether `batches` are gathered from tensors in memory (nothing random drawn, nothing read)."""
+    return isinstance(batches, _TensorBatches)
 
-    def __init__(self, tensors: tuple[torch.Tensor, ...], sampler: Sampler[list[int]]):
-        self.tensors, self.sampler = tensors, sampler
+
+class _TensorBatches:
+    """One gather per batch instead of one `__getitem__` call and a collate per sample; with
+    `pin_memory`, into pinned host memory, from which the copy to the GPU does not wait for it."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], sampler: Sampler[list[int]], pin_memory: bool = False):
+        self.tensors, self.sampler, self.pin_memory = tensors, sampler, pin_memory
 
     def __len__(self) -> int:
         return len(self.sampler)  # type: ignore[arg-type]
@@ -136,4 +142,12 @@ class _TensorBatches:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         for indices in self.sampler:
             index = torch.as_tensor(indices)
-            yield tuple(t[index] for t in self.tensors)
+            yield tuple(self._gathered(t, index) for t in self.tensors)
+
+    def _gathered(self, tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        if not self.pin_memory:
+            return tensor[index]
+        # Pageable memory would make the copy wait for the GPU's queue and go through a staging buffer;
+        # torch's pinned-memory cache reuses the buffer once the copy from it has ended.
+        out = torch.empty((len(index), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=True)
+        return torch.index_select(tensor, 0, index, out=out)

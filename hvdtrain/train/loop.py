@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
 from hvdtrain.data.batch import batch_size, to_device
+from hvdtrain.data.prefetch import DeviceBatches
 from hvdtrain.engine import Engine
-from hvdtrain.engine.activity import DATA_LOADING
 from hvdtrain.numerics.metrics import MetricSums
 from hvdtrain.numerics.precision import FP32, Precision
 from hvdtrain.tasks import Task, batch_metrics, training_loss
@@ -132,16 +132,17 @@ def train_epoch(training: Training, engine: Engine, batches: Iterable, *, first_
     window_losses: list[torch.Tensor] = []  # this step's micro-batch losses, to name a bad rank
     window_batches: list[Any] = []  # and its batches, to tell bad data from a bad step
     window_samples = 0
-    for index, batch in enumerate(_loading(batches, engine)):
+    on_device = DeviceBatches(batches, device, training.channels_last, engine.doing)
+    for index, (loaded, batch) in enumerate(on_device):
         if index % accumulate == 0:  # before the forward: Adasum steps inside backward
             for group in optimizer.param_groups:  # a user's optimizer's groups keep their ratios
                 group["lr"] = learning_rate(step) * group.get("lr_ratio", 1.0)
-        window_batches.append(batch)  # as loaded (on the host): only a failing step looks at it
-        batch = to_device(batch, device, training.channels_last)
+        window_batches.append(loaded)  # as loaded (on the host): only a failing step looks at it
         if training.augment is not None:  # each micro-batch draws its own; dist: each rank its own
             batch = training.augment(batch, epoch, step * accumulate + index % accumulate, engine.rank)
         size = batch_size(batch)
         loss = forward_backward(model, task, batch, precision, accumulate, engine.doing)
+        on_device.stage()  # the GPU runs the backward pass meanwhile; the optimizer step waits for it
         window_losses.append(loss * size)
         window_samples += size
         if (index + 1) % accumulate == 0:
@@ -164,15 +165,6 @@ def train_epoch(training: Training, engine: Engine, batches: Iterable, *, first_
     totals = engine.allreduce_sum(
         torch.stack([loss_sum, loss_sum.new_tensor(sums.samples), loss_sum.new_tensor(sums.kept)]).cpu(), "train_loss")
     return EpochResult(float(totals[0]) / max(1, int(totals[2])), int(totals[1]), sums.skipped), step
-
-
-def _loading(batches: Iterable, engine: Engine) -> Iterator[Any]:
-    """The batches; the wait for each is the phase `data loading` (a stall report's, the straggler check's)."""
-    engine.doing(DATA_LOADING)
-    for batch in batches:
-        engine.doing("batch to device")
-        yield batch
-        engine.doing(DATA_LOADING)
 
 
 def _stop_on_nonfinite(engine: Engine, step: int, local_loss: torch.Tensor, window: list[Any]) -> None:
