@@ -101,9 +101,11 @@ def _is_rank(process) -> bool:
 def horovodrun() -> None:
     import threading
 
-    from horovod.runner import gloo_run, mpi_run
-    from horovod.runner.launch import run_commandline
+    from horovod.runner import gloo_run, launch, mpi_run
 
+    from hvdtrain.cli.build_answers import remember_answers
+
+    remember_answers(launch)  # 3 s of a core per launch otherwise
     for number in FORWARDED:
         signal.signal(number, forward_to_ranks)
     mpi_run.os = _ExecAsChild()  # keeps this process, and its handlers, in front of mpirun
@@ -112,7 +114,7 @@ def horovodrun() -> None:
     gloo_run.register_shutdown_event = threading.Event
     workers = _GlooWorkers(gloo_run)
     try:
-        code = run_commandline()
+        code = launch.run_commandline()
     except RuntimeError as err:
         message = " ".join(str(err).split())
         if "exited with non-zero status" not in message:
