@@ -66,40 +66,54 @@ cp "$sdist" "$out/sdist/"
 
 # 2. The carried wheels, for CPython 3.12 (the GPU image's) and this Python on manylinux x86-64: a
 # binary wheel (cffi) is kept for each, so the kit also installs here, where its install is tested.
-specs=()
-for spec in "${carried[@]}"; do specs+=("$(pinned "$spec")"); done
 pythons=(3.12)
 here_python=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 [ "$here_python" = 3.12 ] || pythons+=("$here_python")
-
-# The cached wheel of NAME VERSION that CPython PY (e.g. 3.12) can install, if any.
+fetch() {  # fetch PY DIR SPEC...: the wheels of SPEC... that CPython PY installs, into DIR
+  local py="$1" dir="$2"
+  shift 2
+  pip download --only-binary=:all: --no-deps --python-version "$py" --implementation cp \
+    --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    -d "$dir" "$@"
+}
+# The cached wheel of NAME VERSION that CPython PY (e.g. 3.12) installs, if any.
 cached() {
   find "$cache" -maxdepth 1 \( -name "${1//-/_}-$2-py*-none-any.whl" -o -name "${1//-/_}-$2-cp${3/./}-*.whl" \) | head -n 1
 }
 
+specs=()
+for spec in "${carried[@]}"; do
+  spec=$(pinned "$spec")
+  if [ "$spec" = "${spec#*==}" ]; then
+    # Not here in a version that fits: the one pip chooses for 3.12, then that version for each Python.
+    fresh=$(mktemp -d)
+    say "choosing $spec"
+    fetch 3.12 "$fresh" "$spec"
+    wheel=$(find "$fresh" -name '*.whl' | head -n 1)
+    [ -n "$wheel" ] || { echo "gpu-kit.sh: pip fetched no wheel for $spec" >&2; exit 1; }
+    IFS=- read -r _ version _ <<<"$(basename "$wheel")"
+    mv "$wheel" "$cache/"
+    rm -rf "$fresh"
+    spec="${spec%%[<>=]*}==$version"
+  fi
+  specs+=("$spec")
+done
 for py in "${pythons[@]}"; do
   wanted=()
   for spec in "${specs[@]}"; do
-    case "$spec" in
-      *==*) [ -n "$(cached "${spec%%==*}" "${spec#*==}" "$py")" ] || wanted+=("$spec") ;;
-      *) [ "$py" = 3.12 ] && wanted+=("$spec") ;;  # unpinned: pure Python, fetched once
-    esac
+    [ -n "$(cached "${spec%%==*}" "${spec#*==}" "$py")" ] || wanted+=("$spec")
   done
   if [ ${#wanted[@]} -gt 0 ]; then
     say "downloading ${wanted[*]} for Python $py"
-    pip download --only-binary=:all: --no-deps --python-version "$py" --implementation cp \
-      --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      -d "$cache" "${wanted[@]}"
+    fetch "$py" "$cache" "${wanted[@]}"
   fi
 done
 for spec in "${specs[@]}"; do
-  name="${spec%%[<>=]*}"
-  if [ "$spec" = "${spec#*==}" ]; then  # unpinned: the newest one downloaded
-    find "$cache" -maxdepth 1 -name "${name//-/_}-*.whl" -printf '%T@ %p\n' | sort -rn | head -n 1 | cut -d' ' -f2- |
-      xargs -I{} cp {} "$out/wheels/"
-  else
-    for py in "${pythons[@]}"; do cp "$(cached "$name" "${spec#*==}" "$py")" "$out/wheels/"; done
-  fi
+  for py in "${pythons[@]}"; do
+    wheel=$(cached "${spec%%==*}" "${spec#*==}" "$py")
+    [ -n "$wheel" ] || { echo "gpu-kit.sh: no wheel of $spec for Python $py in $cache" >&2; exit 1; }
+    cp "$wheel" "$out/wheels/"
+  done
 done
 
 # 3. hvdtrain itself, from this working tree.

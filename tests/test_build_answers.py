@@ -47,6 +47,34 @@ def test_no_answer_is_not_kept(tmp_path, monkeypatch):
     assert not build_answers.cache_file().exists()
 
 
+def test_a_cache_that_cannot_be_read_or_written_only_means_the_check_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("HVDTRAIN_CACHE", str(tmp_path))
+    build_answers.cache_file().write_text("{not json")
+    launch, calls = _asked({"mpi_built": True, "gloo_built": True})
+    build_answers.remember_answers(launch)
+    assert launch.mpi_built() is True and len(calls) == 1
+    assert launch.mpi_built() is True and len(calls) == 1  # the corrupt file was replaced
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("HVDTRAIN_CACHE", str(tmp_path / "file" / "below"))  # cannot be made
+    assert launch.gloo_built() is True and launch.gloo_built() is True and len(calls) == 3
+    monkeypatch.delenv("HVDTRAIN_CACHE")
+    monkeypatch.setattr(build_answers.Path, "home", lambda: (_ for _ in ()).throw(RuntimeError("no home")))
+    assert launch.gloo_built() is True and len(calls) == 4
+    assert [name for name in tmp_path.iterdir() if name.name.startswith(".horovod-build.")] == []
+
+
+def test_builds_sharing_a_cache_keep_their_own_answers(tmp_path, monkeypatch):
+    monkeypatch.setenv("HVDTRAIN_CACHE", str(tmp_path))
+    for build in ("one venv", "another venv", "one venv"):
+        monkeypatch.setattr(build_answers, "build_key", lambda build=build: build)
+        launch, calls = _asked({"mpi_built": build == "one venv", "gloo_built": True})
+        build_answers.remember_answers(launch)
+        assert launch.mpi_built() is (build == "one venv")
+    assert json.loads(build_answers.cache_file().read_text()) == {
+        "another venv": {"mpi_built": False}, "one venv": {"mpi_built": True}}
+    assert calls == []  # the third launch: "one venv" answered from the cache
+
+
 @pytest.mark.multiprocess
 @requires_launchers
 def test_horovodrun_takes_the_kept_answer(tmp_path):

@@ -169,3 +169,18 @@ def test_a_peer_s_report_that_another_went_away_waits_for_the_failed_worker_s_ow
     assert stream.getvalue() == "[0]<stderr>:hvdtrain: rank 0/2\n"
     output.release()
     assert stream.getvalue() == "[0]<stderr>:hvdtrain: rank 0/2\n" + peer_gone
+
+
+def test_the_compiler_wrapper_builds_horovod_s_code_as_cxx17_with_the_headers_it_leaves_out(tmp_path):
+    # Horovod pins -std=c++14 and uses std::string without <string>; torch's headers need C++17.
+    source = tmp_path / "group_table.cc"
+    source.write_text("static_assert(__cplusplus >= 201703L, \"C++17\");\n"
+                      "std::string name() { return std::string(\"ok\") + std::to_string(uint8_t(1)); }\n")
+    (tmp_path / "string").write_text("#error the build's own folder stood in for <string>\n")
+    wrapper = str(ROOT / "launch" / "cxx17.sh")
+    compiled = subprocess.run(["sh", wrapper, "-std=c++14", "-fPIC", "-c", source.name, "-o", "group_table.o"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert compiled.returncode == 0, compiled.stderr
+    linked = subprocess.run(["sh", wrapper, "-shared", "group_table.o", "-o", "libgroup.so"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert linked.returncode == 0, linked.stderr

@@ -145,8 +145,8 @@ class _TensorBatches:
             yield tuple(self._gathered(t, index) for t in self.tensors)
 
     def _gathered(self, tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        if not self.pin_memory:
-            return tensor[index]
+        if not self.pin_memory or tensor.device.type != "cpu" or tensor.requires_grad:
+            return tensor[index]  # a data set already on the GPU, or one index_select(out=) cannot write
         # Pageable memory would make the copy wait for the GPU's queue and go through a staging buffer;
         # torch's pinned-memory cache reuses the buffer once the copy from it has ended.
         out = torch.empty((len(index), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=True)
