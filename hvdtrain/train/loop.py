@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hvdtrain.data.batch import batch_size, to_device
-from hvdtrain.data.prefetch import DeviceBatches
+from hvdtrain.train.device_batches import DeviceBatches
 from hvdtrain.engine import Engine
 from hvdtrain.numerics.metrics import MetricSums
 from hvdtrain.numerics.precision import FP32, Precision

@@ -1,4 +1,4 @@
-"""Loading the next batch while the step computes (hvdtrain.data.prefetch): the same batches in the
+"""Loading the next batch while the step computes (hvdtrain.train.device_batches): the same batches in the
 same order, the same weights, and loading ahead only where it draws nothing the training draws."""
 
 import pytest
@@ -7,9 +7,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from hvdtrain.config import TaskConfig
-from hvdtrain.data import prefetch
+from hvdtrain.train import device_batches
 from hvdtrain.data.loading import batches
-from hvdtrain.data.prefetch import DeviceBatches, loads_apart_from_training
+from hvdtrain.train.device_batches import DeviceBatches, loads_apart_from_training
 from hvdtrain.data.sampler import ShardedBatchSampler
 from hvdtrain.engine import LocalEngine
 from hvdtrain.tasks import build_task
@@ -75,7 +75,7 @@ def test_only_loading_that_draws_nothing_from_the_training_is_done_ahead():
 
 def _trained(monkeypatch, ahead, loaded=_tensor_batches):
     """(epoch result, next step, weights, the random state at each step's end: what a checkpoint keeps)."""
-    monkeypatch.setattr(loop, "DeviceBatches", lambda *args, **kwargs: prefetch.DeviceBatches(*args, **kwargs, ahead=ahead))
+    monkeypatch.setattr(loop, "DeviceBatches", lambda *args, **kwargs: device_batches.DeviceBatches(*args, **kwargs, ahead=ahead))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Linear(16, 3))  # dropout: draws each step
     training = Training(model, torch.optim.SGD(model.parameters(), lr=0.1), build_task(TaskConfig()),
