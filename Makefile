@@ -2,6 +2,8 @@
 # when everything is already there), then does its job.
 VENV ?= .venv
 NP ?= 2
+# make test's pytest-xdist workers.
+TEST_WORKERS ?= 2
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: install install-test demo test test-fast test-kill bench gpu-kit clean
@@ -22,7 +24,7 @@ demo: install
 ## (tests/file_order.py); many tests wait on timeouts, signals and launchers, which leaves the cores
 ## idle a third of the time on one worker. Tests marked serial time their steps and run alone afterwards.
 test: install-test
-	python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" -ra --durations=40; shared=$$?; \
+	python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" -ra --durations=40; shared=$$?; \
 	python -m pytest -m serial -ra; alone=$$?; exit $$((shared || alone))
 
 ## make test-fast: the in-process tests only (no launchers, no Slurm, no image builds).
