@@ -155,6 +155,9 @@ spec="$here"
 packages=(-e "$spec")
 [ "$with_mpi" = 1 ] && packages+=(mpi4py)
 pip install "${packages[@]}"
+# An editable install leaves the package's modules uncompiled; where PYTHONDONTWRITEBYTECODE is set
+# (as on many CI machines and images), every process would compile them again at start (0.3 s a rank).
+"$py" -m compileall -q "$here/hvdtrain" >/dev/null
 if [ "$engine" = all ]; then
   say "ready: $("$py" -c 'import torch, horovod; print(f"torch {torch.__version__}, horovod {horovod.__version__}")')"
 else

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import (HOROVOD_AND_TORCH, LAUNCHERS, ROOT, assert_ok, assert_same_weights, epoch_records,
-                      final_weights, fit_ok, fit_under, free_port, python_under, requires_launchers, run,
+                      final_weights, fit_here, fit_ok, fit_under, free_port, python_under, requires_launchers, run,
                       run_summary)
 
 pytestmark = [pytest.mark.multiprocess, requires_launchers, pytest.mark.timeout(300)]
@@ -112,8 +112,7 @@ def one_process(tmp_path_factory):
     def weights(*args: str) -> dict[str, torch.Tensor]:
         if args not in done:
             run_dir = tmp_path_factory.mktemp("one-process") / "run"
-            finished = fit_under(None, *args, "--run-dir", str(run_dir))
-            assert_ok(finished)
+            fit_here(run_dir, *args)  # in this process: one process needs no launch of its own
             done[args] = final_weights(run_dir)
         return done[args]
 
@@ -150,7 +149,7 @@ def test_every_task_two_ranks_batch_b_equal_one_process_batch_2b(task, tmp_path)
     common = [*TASKS[task], "--threads", "1", "--epochs", "2", "--no-scale-lr", "--warmup-epochs", "0",
               "--optimizer", "adamw", "--lr", "0.01"]
     fit_ok("horovodrun-gloo", *common, "--batch-size", "8", "--run-dir", str(tmp_path / "two"))
-    fit_ok(None, *common, "--batch-size", "16", "--run-dir", str(tmp_path / "one"))
+    fit_here(tmp_path / "one", *common, "--batch-size", "16")
     assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), atol=1e-5)
     records = {name: epoch_records(tmp_path / name) for name in ("two", "one")}
     for sharded, whole in zip(records["two"], records["one"]):

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import (HOROVOD_AND_TORCH, ROOT, assert_ok, assert_same_weights, final_weights, fit_under,
+from conftest import (HOROVOD_AND_TORCH, ROOT, assert_ok, assert_same_weights, final_weights, fit_here, fit_under,
                       python_under, requires_launchers, run)
 
 pytestmark = [pytest.mark.multiprocess, requires_launchers]
@@ -32,8 +32,7 @@ def test_statistics_and_gradients_are_those_of_the_global_batch(launcher):
 def test_two_ranks_with_sync_batchnorm_end_with_one_process_s_weights(tmp_path):
     """Plain BatchNorm on 2 ranks x 8 normalizes each rank's 8 samples apart; synchronized, it normalizes
     the 16 together, as one process with a batch of 16 does."""
-    one = fit_under(None, *BN_RUN, "--batch-size", "16", "--run-dir", str(tmp_path / "one"))
-    assert_ok(one)
+    fit_here(tmp_path / "one", *BN_RUN, "--batch-size", "16")
     for launcher in HOROVOD_AND_TORCH:
         two = fit_under(launcher, *BN_RUN, "--batch-size", "8", "--sync-batchnorm", "--run-dir", str(tmp_path / launcher))
         assert_ok(two)
