@@ -36,7 +36,8 @@ def command_run(tmp_path_factory):
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
 def test_a_script_with_objects_ends_with_the_command_s_weights(launcher, command_run, tmp_path):
     """The script's objects train to the command's weights, and every rank gets the same summary back
-    (rank 0's, its best epoch too)."""
+    (rank 0's, its best epoch too). The script then trains again and evaluates in the same process:
+    the same weights again, and the evaluation gives the run's last validation loss."""
     done = run([*python_under(launcher), str(SCRIPT), str(tmp_path / "run")], cwd=tmp_path, timeout=180)
     assert_ok(done)
     for rank in (0, 1):
@@ -45,6 +46,10 @@ def test_a_script_with_objects_ends_with_the_command_s_weights(launcher, command
                  for line in done.stdout.splitlines() if f"rank {rank} whole summary " in line}
     assert summaries[0] == summaries[1] and summaries[0]["best_epoch"] is not None, summaries
     assert_same_weights(final_weights(command_run), final_weights(tmp_path / "run"), atol=1e-6)
+    assert_same_weights(final_weights(command_run), final_weights(tmp_path / "run-again"), atol=1e-6)
+    again = [line.split() for line in done.stdout.splitlines() if " again val_loss " in line]
+    assert len(again) == 2, done.stdout[-2000:]
+    assert all(float(words[4]) == pytest.approx(float(words[6]), rel=1e-6) for words in again), again
 
 
 @pytest.mark.multiprocess

@@ -42,12 +42,13 @@ def launcher_rank() -> int | None:
 
 
 def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, stall_timeout: int = 300,
-                 keep_freed_memory: bool = True, timeline: bool = False) -> Engine:
+                 keep_freed_memory: bool = True, timeline: bool = False, process_goes_on: bool = False) -> Engine:
     """Starts torch.distributed under torchrun, Horovod when another launcher started us (or
     when asked), else a local engine.
 
     dist: sets this process's device (cuda:<local rank>) and thread count (cores
-    divided among the processes on this host) before any tensor work.
+    divided among the processes on this host) before any tensor work. `process_goes_on`: the
+    process may start an engine again after this one (the Python API), not end with it.
     """
     if keep_freed_memory:
         host_memory.keep_freed_memory()
@@ -63,7 +64,7 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
     if kind == "horovod" or (kind == "auto" and launcher_rank() is not None):
         from hvdtrain.engine.horovod import HorovodEngine  # imports horovod.torch
 
-        HorovodEngine.init(stall_timeout, timeline)
+        HorovodEngine.init(stall_timeout, timeline, keep_mpi=process_goes_on)
         return _start(HorovodEngine, device, threads, stall_timeout)
     engine_device = _pick_device(device, local_rank=0, local_size=1)
     torch.set_num_threads(_threads_per_process(threads, local_size=1))

@@ -37,6 +37,13 @@ else:
 MPI_SETTINGS = {"OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
+def _mpi_controls() -> bool:
+    """Whether Horovod will run on MPI: an MPI launch that is not horovodrun's Gloo."""
+    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ or os.environ.get("HOROVOD_CONTROLLER") == "gloo":
+        return False
+    return any(name in os.environ for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+
+
 def horovod_available() -> bool:
     return hvd is not None
 
@@ -64,9 +71,10 @@ class HorovodEngine(WatchedEngine):
     local_size = property(lambda self: hvd.local_size())
 
     @staticmethod
-    def init(stall_timeout: int = 300, timeline: bool = False) -> None:
+    def init(stall_timeout: int = 300, timeline: bool = False, keep_mpi: bool = False) -> None:
         """Joins the job the launcher started (horovodrun or mpirun); `timeline` lets the run
-        record Horovod's timeline into a file chosen later (its run directory)."""
+        record Horovod's timeline into a file chosen later (its run directory). `keep_mpi`: MPI
+        outlives this engine, for another one later in the process."""
         if hvd is None:
             raise UserError(
                 f"started by a launcher but Horovod does not import ({_import_error}): "
@@ -83,6 +91,12 @@ class HorovodEngine(WatchedEngine):
             os.environ.setdefault(name, value)
         if timeline:
             os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"  # read at init: start_timeline works only then
+        if keep_mpi and hvd.mpi_built() and _mpi_controls():
+            # dist: MPI starts once in a process. Horovod finalizes the MPI it started when it shuts down,
+            # and a second fit of a script would then abort in MPI_Init. Started by mpi4py, MPI is left
+            # to the process's exit, and Horovod starts and shuts down on it once per fit.
+            with contextlib.suppress(ImportError):
+                from mpi4py import MPI  # noqa: F401  (MPI_Init_thread, MPI_THREAD_MULTIPLE as Horovod's own)
         hvd.init()
 
     @staticmethod

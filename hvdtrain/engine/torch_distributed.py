@@ -80,8 +80,14 @@ class TorchEngine(WatchedEngine):
             if init_method == "env://" else init_method
         if rank != 0:  # rank 0 hosts the rendezvous; the others connect to it
             _require_resolvable(where, rank)
+        global _starts
         try:
             store, _, _ = next(dist.rendezvous(init_method, rank, size, timeout=timeout))
+            if _starts:
+                # dist: a second fit in this process (the Python API) meets in the same store as the first:
+                # its own keys, or a rank could read where the other listened the first time and wait there.
+                store = dist.PrefixStore(f"hvdtrain-fit-{_starts}/", store)
+            _starts += 1
             dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
         except (RuntimeError, ValueError) as err:  # DistNetworkError, DistStoreError and the like
             raise RendezvousFailed(
@@ -294,6 +300,7 @@ def _require_resolvable(where: str, rank: int) -> None:
 
 
 _leave_at_once = False  # the engine has shut down: the process ends with leave_now
+_starts = 0  # process groups this process has started: each fit of the Python API starts one
 
 
 def leaves_at_once() -> bool:

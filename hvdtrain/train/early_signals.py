@@ -35,6 +35,11 @@ def in_the_command_s_process() -> None:
     _command_process = True
 
 
+def in_the_command() -> bool:
+    """Whether this is the `hvdtrain` command's own process, which ends when its command does."""
+    return _command_process
+
+
 def hold() -> None:
     """Notes HELD signals instead of dying on them, until `take_over` or `restore`."""
     global _holding

@@ -29,3 +29,14 @@ summary = hvdtrain.fit(model=model, data=data, task=torch.nn.CrossEntropyLoss(),
                        run_dir=sys.argv[1], progress="off", overrides={"optim.momentum": 0.5}, callbacks=callbacks)
 print(f"rank {rank} summary epochs {summary['epochs']} world size {summary['world_size']}", flush=True)
 print(f"rank {rank} whole summary {json.dumps(summary, sort_keys=True)}", flush=True)  # the same on every rank
+
+if not sys.argv[2:]:
+    # The same training again in this process, then its evaluation, as a sweep in one job would: the
+    # engine starts a second and a third time (under MPI, and on torch.distributed's store).
+    torch.manual_seed(0 if rank == 0 else 1234)
+    again = hvdtrain.fit(model=tiny_net((5,), 3), data=data, task=torch.nn.CrossEntropyLoss(), epochs=3,
+                         batch_size=16, run_dir=sys.argv[1] + "-again", progress="off",
+                         overrides={"optim.momentum": 0.5})
+    metrics = hvdtrain.evaluate(sys.argv[1] + "-again", checkpoint="last", model=tiny_net((5,), 3), data=data[1],
+                                task=torch.nn.CrossEntropyLoss())
+    print(f"rank {rank} again val_loss {again['val_loss']} evaluated {metrics['loss']}", flush=True)
