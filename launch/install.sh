@@ -91,6 +91,7 @@ if [ "$engine" = all ]; then
   torch_version=$("$py" -c 'import torch; print(torch.__version__.split("+")[0])')
   py_tag=$("$py" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")')
   flavour="torch${torch_version}-${py_tag}-mpi${with_mpi}-gpu${gpu}"
+  [ "${HVDTRAIN_HOROVOD_DEBUG_INFO:-0}" = 1 ] && flavour="$flavour-debug"  # launch/cxx17.sh
   wheel_dir="$cache/wheels/horovod-$horovod_version-$flavour"
   # HVDTRAIN_WHEELHOUSE: read-only wheels laid out as this cache's wheels/ folder (an image
   # build lent the wheel its host built); used when it holds this flavour.
@@ -157,7 +158,7 @@ packages=(-e "$spec")
 pip install "${packages[@]}"
 # An editable install leaves the package's modules uncompiled; where PYTHONDONTWRITEBYTECODE is set
 # (as on many CI machines and images), every process would compile them again at start (0.3 s a rank).
-"$py" -m compileall -q "$here/hvdtrain" >/dev/null
+"$py" -m compileall -q "$here/hvdtrain"
 if [ "$engine" = all ]; then
   say "ready: $("$py" -c 'import torch, horovod; print(f"torch {torch.__version__}, horovod {horovod.__version__}")')"
 else

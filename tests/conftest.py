@@ -94,8 +94,11 @@ def fit_here(run_dir: Path, *args: str) -> dict:
 
     from hvdtrain.cli import main
 
-    before = signal.getsignal(signal.SIGUSR1)
-    main(["fit", "--progress", "off", "--engine", "local", "--run-dir", str(run_dir), *args])
+    before, threads = signal.getsignal(signal.SIGUSR1), torch.get_num_threads()
+    try:
+        main(["fit", "--progress", "off", "--engine", "local", "--run-dir", str(run_dir), *args])
+    finally:
+        torch.set_num_threads(threads)  # fit sets this process's (--threads): the tests after it keep theirs
     assert signal.getsignal(signal.SIGUSR1) == before
     return run_summary(run_dir)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from hvdtrain import UserError
 
 SCRIPT = ROOT / "tests" / "workers" / "api_script.py"
 LAUNCH = ROOT / "tests" / "workers" / "api_launch.py"
+SWEEP = ROOT / "tests" / "workers" / "api_sweep.py"
 # The script's pieces as the command names them (tests/user_code.py).
 AS_FACTORIES = ["--data", "user_code:blobs_split", "--model", "user_code:tiny_net", "--task", "torch.nn:CrossEntropyLoss",
                 "--epochs", "3", "--batch-size", "16", "--set", "optim.momentum=0.5"]
@@ -54,6 +56,27 @@ def test_a_script_with_objects_ends_with_the_command_s_weights(launcher, command
 
 @pytest.mark.multiprocess
 @requires_launchers
+def test_a_sweep_that_fails_between_fits_ends_instead_of_hanging(tmp_path):
+    """Under mpirun, rank 0's script raises after a fit while rank 1 waits for it in the next one: the
+    job ends (MPI_Abort; rank 0 would otherwise wait in MPI_Finalize for rank 1) with the script's own
+    error. Under torchrun, a fit that failed leaves its process group: the next fit says so in one line."""
+    import psutil
+
+    started = time.monotonic()
+    done = run([*python_under("mpirun"), str(SWEEP), str(tmp_path / "mpi"), "raise-between"], timeout=120)
+    assert done.returncode != 0 and time.monotonic() - started < 90, done.stderr[-2000:]
+    assert "PermissionError: results.csv is not writable" in done.stdout + done.stderr
+    time.sleep(1)
+    assert not [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    again = assert_ok(run([*python_under("torchrun"), str(SWEEP), str(tmp_path / "torch"), "after-a-failed-fit"],
+                          timeout=120))
+    for rank in (0, 1):
+        assert f"rank {rank} second fit refused: rank {rank}: an earlier fit or evaluate in this process failed " \
+               "and left its process group: start the next one in a launch of its own" in again.stdout, again.stdout
+
+
+@pytest.mark.multiprocess
+@requires_launchers
 @pytest.mark.parametrize("engine", ["horovod", "torch"])
 def test_launch_from_a_plain_process_trains_as_the_command_and_names_a_failing_rank(engine, command_run, tmp_path):
     """hvdtrain.launch(np=2) from `python`, not under a launcher: the script's training as a function ends
@@ -83,6 +106,7 @@ def test_one_process_script_equals_the_command_alone(tmp_path):
     command = fit_under(None, *AS_FACTORIES, "--run-dir", str(tmp_path / "command"))
     assert_ok(command)
     assert_same_weights(final_weights(tmp_path / "command"), final_weights(tmp_path / "script"), atol=0)
+    assert_same_weights(final_weights(tmp_path / "command"), final_weights(tmp_path / "script-again"), atol=0)
 
 
 def _blobs():

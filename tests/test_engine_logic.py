@@ -4,6 +4,7 @@ the host's wait for NCCL named, optimizer state sent from the host, elastic atte
 from __future__ import annotations
 
 import contextlib
+import os
 from types import SimpleNamespace
 
 import torch
@@ -118,3 +119,25 @@ def test_each_elastic_attempt_s_run_files_are_closed(tmp_path, monkeypatch):
     assert len(opened) == 2, "two attempts, each with its own run files"
     assert all(closed == [1] for closed in opened), opened
 
+
+
+def test_a_later_horovod_start_follows_its_own_settings_and_the_user_s_still_win(monkeypatch):
+    """Horovod reads its stall and timeline variables at init; a second fit in a process (the Python API)
+    sets them anew, where hvdtrain had set them, and leaves those the user set alone."""
+    from hvdtrain.engine import horovod
+
+    monkeypatch.setattr(horovod, "_ours", {})
+    for name in ("HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_TIMELINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "999")  # the user's
+    horovod._set_ours("HOROVOD_STALL_CHECK_TIME_SECONDS", "315")
+    horovod._set_ours("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "330")
+    horovod._set_ours("HOROVOD_TIMELINE", "DYNAMIC", over_theirs=True)
+    assert [os.environ.get(n) for n in ("HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+                                        "HOROVOD_TIMELINE")] == ["315", "999", "DYNAMIC"]
+    # The next start: a longer stall timeout, none for shutdown, no timeline.
+    horovod._set_ours("HOROVOD_STALL_CHECK_TIME_SECONDS", "1215")
+    horovod._set_ours("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", None)
+    horovod._set_ours("HOROVOD_TIMELINE", None)
+    assert [os.environ.get(n) for n in ("HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+                                        "HOROVOD_TIMELINE")] == ["1215", "999", None]

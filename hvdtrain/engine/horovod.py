@@ -37,6 +37,57 @@ else:
 MPI_SETTINGS = {"OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
+_ours: dict[str, str] = {}  # the Horovod variables hvdtrain set, as it set them
+_horovod_finalized_mpi = False  # this process's MPI was Horovod's own, and its shutdown ended it
+
+
+def _set_ours(name: str, value: str | None, over_theirs: bool = False) -> None:
+    """Sets (None: removes) a variable Horovod reads at init, unless the user set it: the value an
+    earlier start in this process set is hvdtrain's, and follows this start's settings."""
+    ours = name in _ours and os.environ.get(name) == _ours[name]
+    if not (ours or over_theirs or name not in os.environ):
+        return
+    if value is None:
+        if ours:
+            del os.environ[name]
+        _ours.pop(name, None)
+    else:
+        os.environ[name] = _ours[name] = value
+
+
+def _start_mpi(keep: bool) -> None:
+    """dist: MPI starts once in a process, and Horovod finalizes the MPI it started when it shuts down:
+    a second fit of a script (`keep`: the process goes on) would abort in MPI_Init. MPI started by
+    mpi4py is left to the process's exit, and Horovod starts and shuts down on it once per fit."""
+    global _horovod_finalized_mpi
+    import sys
+
+    if _horovod_finalized_mpi:
+        raise UserError("MPI can start only once in a process, and the last fit or evaluate here ended it: "
+                        "pip install mpi4py (launch/install.sh installs it with MPI), with which MPI lasts as "
+                        "long as the process, or run each in a launch of its own")
+    if not keep or "mpi4py.MPI" in sys.modules:  # the command's one start; or the user's own MPI
+        return
+    try:
+        import mpi4py
+    except ImportError:
+        _horovod_finalized_mpi = True
+        return
+    mpi4py.rc.errors = "default"  # MPI's errors stay fatal: mpi4py's own default makes them return codes
+    mpi4py.rc.thread_level = "multiple"  # as Horovod asks
+    from mpi4py import MPI
+
+    previous = sys.excepthook
+
+    def abort_on_uncaught(kind, value, traceback) -> None:
+        # dist: MPI_Finalize at exit waits for every rank; a rank whose script failed between two fits
+        # would wait there for ranks waiting in the next fit for it. Abort ends the job instead.
+        previous(kind, value, traceback)
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = abort_on_uncaught
+
+
 def _mpi_controls() -> bool:
     """Whether Horovod will run on MPI: an MPI launch that is not horovodrun's Gloo."""
     if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ or os.environ.get("HOROVOD_CONTROLLER") == "gloo":
@@ -80,23 +131,18 @@ class HorovodEngine(WatchedEngine):
                 f"started by a launcher but Horovod does not import ({_import_error}): "
                 "run launch/install.sh, or run hvdtrain fit alone without horovodrun/mpirun"
             )
-        if stall_timeout > 0:
-            # dist: hvdtrain's watchdog reports a stall first, with every rank's stack; Horovod's stall
-            # inspector is the last resort behind it (a rank that could not reach rank 0's report port).
-            # Horovod reads these at init; a user's own settings win. Set-up waits longer (SET_UP_SECONDS).
-            longest = int(max(stall_timeout, SET_UP_SECONDS))
-            os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(longest + 15))
-            os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(longest + 30))
+        longest = int(max(stall_timeout, SET_UP_SECONDS))
+        # dist: hvdtrain's watchdog reports a stall first, with every rank's stack; Horovod's stall
+        # inspector is the last resort behind it (a rank that could not reach rank 0's report port).
+        # Horovod reads these at init; a user's own settings win. Set-up waits longer (SET_UP_SECONDS).
+        _set_ours("HOROVOD_STALL_CHECK_TIME_SECONDS", str(longest + 15) if stall_timeout > 0 else None)
+        _set_ours("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(longest + 30) if stall_timeout > 0 else None)
         for name, value in MPI_SETTINGS.items():  # read by MPI_Init; a user's own settings win
             os.environ.setdefault(name, value)
-        if timeline:
-            os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"  # read at init: start_timeline works only then
-        if keep_mpi and hvd.mpi_built() and _mpi_controls():
-            # dist: MPI starts once in a process. Horovod finalizes the MPI it started when it shuts down,
-            # and a second fit of a script would then abort in MPI_Init. Started by mpi4py, MPI is left
-            # to the process's exit, and Horovod starts and shuts down on it once per fit.
-            with contextlib.suppress(ImportError):
-                from mpi4py import MPI  # noqa: F401  (MPI_Init_thread, MPI_THREAD_MULTIPLE as Horovod's own)
+        # Read at init: start_timeline works only then.
+        _set_ours("HOROVOD_TIMELINE", "DYNAMIC" if timeline else None, over_theirs=timeline)
+        if hvd.mpi_built() and _mpi_controls():
+            _start_mpi(keep_mpi)
         hvd.init()
 
     @staticmethod

@@ -78,6 +78,9 @@ class TorchEngine(WatchedEngine):
         timeout = datetime.timedelta(seconds=max(stall_timeout, SET_UP_SECONDS) + 60 if stall_timeout > 0 else 1800)
         where = f"{init_method}{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" \
             if init_method == "env://" else init_method
+        if dist.is_initialized():  # a failed fit leaves its group as it is (`_shutdown`)
+            raise UserError(f"rank {rank}: an earlier fit or evaluate in this process failed and left its process "
+                            "group: start the next one in a launch of its own")
         if rank != 0:  # rank 0 hosts the rendezvous; the others connect to it
             _require_resolvable(where, rank)
         global _starts
