@@ -76,7 +76,8 @@ def fit_from(make_config: Callable[[], Config], on_failure: Callable[[Exception]
 
         with running_engine(on_failure, kind=cfg.train.engine, device=cfg.train.device, threads=cfg.train.threads,
                             stall_timeout=cfg.train.stall_timeout, keep_freed_memory=cfg.train.keep_freed_memory,
-                            timeline=cfg.run.horovod_timeline) as started:
+                            timeline=cfg.run.horovod_timeline,
+                            process_goes_on=not early_signals.in_the_command()) as started:
             if started.is_root:  # dist: one line, from rank 0
                 for warning in cfg.warnings():
                     say(f"hvdtrain: warning: {warning}")
@@ -159,13 +160,14 @@ def _on_saved_run(run_dir: str | Path, checkpoint: str, data: Any, model: Any, t
     """Opens the run on a started engine (every rank), runs `work(saved, engine)`, shuts down."""
     from hvdtrain.after.saved_run import open_run
     from hvdtrain.engine import running_engine
+    from hvdtrain.train import early_signals
 
     settings = dict(overrides or {})
     for key, value in (("data.name", _data(data)), ("model.name", _model(model)), ("task.name", _task(task)),
                        ("data.batch_size", batch_size)):
         if value is not None:
             settings[key] = value
-    with running_engine(device=device) as engine:
+    with running_engine(device=device, process_goes_on=not early_signals.in_the_command()) as engine:
         return work(open_run(engine, run_dir, checkpoint, saved_run_overrides(settings, device)), engine)
 
 

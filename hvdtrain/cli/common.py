@@ -24,8 +24,10 @@ def command_engine(debug: bool, **engine_args: Any) -> ContextManager[Any]:
     """The engine (`start_engine`'s arguments) for a command's work, shut down after it; a failure
     is reported (one line, the exit) before the shutdown."""
     from hvdtrain.engine import running_engine
+    from hvdtrain.train import early_signals
 
-    return running_engine(lambda err: report_and_exit(err, debug), **engine_args)
+    return running_engine(lambda err: report_and_exit(err, debug),
+                          process_goes_on=not early_signals.in_the_command(), **engine_args)
 
 
 def report_and_exit(err: Exception, debug: bool) -> None:

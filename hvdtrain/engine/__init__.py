@@ -42,14 +42,14 @@ def launcher_rank() -> int | None:
 
 
 def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, stall_timeout: int = 300,
-                 keep_freed_memory: bool = True, timeline: bool = False, process_goes_on: bool | None = None) -> Engine:
+                 keep_freed_memory: bool = True, timeline: bool = False, process_goes_on: bool = True) -> Engine:
     """Starts torch.distributed under torchrun, Horovod when another launcher started us (or
     when asked), else a local engine.
 
     dist: sets this process's device (cuda:<local rank>) and thread count (cores
     divided among the processes on this host) before any tensor work. `process_goes_on`: the
-    process may start an engine again after this one (by default, unless it is the `hvdtrain`
-    command's own process, which ends with its command).
+    process may start an engine again after this one; False for the `hvdtrain` command's own
+    process, which ends with its command.
     """
     if keep_freed_memory:
         host_memory.keep_freed_memory()
@@ -65,10 +65,6 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
     if kind == "horovod" or (kind == "auto" and launcher_rank() is not None):
         from hvdtrain.engine.horovod import HorovodEngine  # imports horovod.torch
 
-        if process_goes_on is None:
-            from hvdtrain.train import early_signals
-
-            process_goes_on = not early_signals.in_the_command()
         HorovodEngine.init(stall_timeout, timeline, keep_mpi=process_goes_on)
         return _start(HorovodEngine, device, threads, stall_timeout)
     engine_device = _pick_device(device, local_rank=0, local_size=1)
