@@ -45,8 +45,8 @@ def test_a_script_with_objects_ends_with_the_command_s_weights(launcher, command
     assert_ok(done)
     for rank in (0, 1):
         assert f"rank {rank} summary epochs 3 world size 2" in done.stdout, done.stdout[-2000:]
-    summaries = {rank: json.loads(line.split(" whole summary ", 1)[1]) for rank in (0, 1)
-                 for line in done.stdout.splitlines() if f"rank {rank} whole summary " in line}
+    summaries = {rank: json.JSONDecoder().raw_decode(done.stdout.split(f"rank {rank} whole summary ", 1)[1])[0]
+                 for rank in (0, 1)}
     assert summaries[0] == summaries[1] and summaries[0]["best_epoch"] is not None, summaries
     assert_same_weights(final_weights(command_run), final_weights(tmp_path / "run"), atol=1e-6)
     assert_same_weights(final_weights(command_run), final_weights(tmp_path / "run-again"), atol=1e-6)
