@@ -155,6 +155,22 @@ def test_debug_shows_the_traceback(capsys):
     assert "Traceback" in err and "hvdtrain: error: unknown data set" in err
 
 
+def test_resume_auto_starts_afresh_where_a_run_was_killed_before_its_first_checkpoint(tmp_path, capsys):
+    """A job killed in its first steps leaves the files rank 0 writes at its start, `where.json` among
+    them (it is removed only when the job ends): they are the run's, and `--resume auto` begins again."""
+    (tmp_path / "config.yaml").write_text("train:\n  epochs: 2\n")
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "where.json").write_text('{"host": "localhost", "port": 1, "token": "x", "pid": 1}')
+    (tmp_path / ".where.json.4242").write_text("{")
+    (tmp_path / "where").mkdir()
+    (tmp_path / "mlflow_run_id").write_text("0123")
+    main(["fit", "--engine", "local", "--data", "random", "--set", "data.samples=64", "--batch-size", "16",
+          "--epochs", "1", "--run-dir", str(tmp_path), "--resume", "auto"])
+    assert "error" not in capsys.readouterr().err
+    assert (tmp_path / "summary.json").is_file() and not (tmp_path / "where.json").exists()
+    assert not (tmp_path / "mlflow_run_id").exists()  # the killed run's MLflow run is not continued
+
+
 @pytest.mark.parametrize("with_config", [False, True], ids=["other-files", "a-config-yaml-among-them"])
 def test_resume_auto_refuses_a_directory_that_is_not_a_run(with_config, tmp_path, capsys):
     """Not even a config.yaml beside them makes someone's folder a run to start afresh in."""

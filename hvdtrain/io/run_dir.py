@@ -6,6 +6,9 @@
     events.out.tfevents.*   TensorBoard's (run.tensorboard)
     horovod-timeline.json   Horovod's timeline (run.horovod_timeline)
     checkpoints/    see hvdtrain.io.checkpoint
+    where.json      while the job runs: how `hvdtrain where` reaches it (left behind by a killed job)
+    where/          every rank's report at a stall or when asked
+    mlflow_run_id   the MLflow run a resumed run goes on logging to
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import yaml
 
 from hvdtrain.io.atomic import atomic_write
 from hvdtrain.io.checkpoint import CHECKPOINTS, CheckpointStore, best_entry
+from hvdtrain.io.mlflow_log import RUN_ID_FILE
 from hvdtrain.config import RunConfig
+from hvdtrain.engine.whereabouts import FOLDER as WHERE_FOLDER, LIVE_FILE as WHERE_FILE
 from hvdtrain.errors import UserError
 
 TIMELINE = "horovod-timeline.json"
@@ -84,7 +89,9 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[Path, bool]:
     return path, False
 
 
-RUN_FILES = ("config.yaml", METRICS, "summary.json", TIMELINE, CHECKPOINTS, "events.out.tfevents.*")
+RUN_FILES = ("config.yaml", METRICS, "summary.json", TIMELINE, CHECKPOINTS, "events.out.tfevents.*", WHERE_FILE,
+             f".{WHERE_FILE}.*", WHERE_FOLDER, RUN_ID_FILE)
+"""What `fit` may leave in a run directory before its first checkpoint (killed at any moment)."""
 
 
 def _is_run_file(entry: Path) -> bool:
