@@ -65,7 +65,7 @@ FIT = (
     FitSetting("schedule", "optim.schedule", "Learning-rate schedule after the warm-up (default constant)."),
     FitSetting("clip_grad_norm", "optim.clip_grad_norm", "Clip the allreduced gradient norm."),
     FitSetting("accumulate", "train.accumulate", "Backward passes per optimizer step."),
-    FitSetting("compression", "train.compression", "Gradient compression for the allreduce."),
+    FitSetting("compression", "train.compression", "Gradients on the wire in fp16 or bf16 (half the bytes)."),
     FitSetting("adasum", "train.adasum", "Adasum instead of averaging (MPI controller)."),
     FitSetting("shard_optimizer", "train.shard_optimizer",
                "Each rank keeps the optimizer state of 1/N of the parameters (reduce-scatter, all-gather)."),

@@ -26,8 +26,9 @@ class TrainConfig:
     """Seed for initial weights, data order and augmentation; the same seed gives the same run on CPU."""
     accumulate: int = 1
     """dist: backward passes per optimizer step (Horovod's backward_passes_per_step)."""
-    compression: Literal["none", "fp16"] = "none"
-    """dist: compress gradients to fp16 for the allreduce."""
+    compression: Literal["none", "fp16", "bf16"] = "none"
+    """dist: gradients on the wire in half precision: `fp16` (divided by the world size before the sum, so
+    that it cannot overflow) or `bf16` (fp32's range; summed in fp32 where each segment is reduced)."""
     adasum: bool = False
     """dist: combine gradients with Adasum instead of averaging (needs the MPI controller)."""
     shard_optimizer: bool = False
@@ -177,6 +178,12 @@ class Config:
             require(not self.train.elastic, "train.shard_optimizer",
                     "does not work with train.elastic yet: a change of processes would need the shares dealt out "
                     "again; drop --elastic, or --shard-optimizer")
+        if self.train.compression == "bf16":
+            require(not self.train.adasum, "train.compression",
+                    "is bf16, which does not work with train.adasum: Adasum is Horovod's own combination of whole tensors, "
+                    "in fp32 or fp16; use --compression fp16, or drop --adasum")
+            require(not self.train.elastic, "train.compression",
+                    "is bf16, which does not work with train.elastic yet: use --compression fp16, or drop --elastic")
         if self.train.adasum:
             # Horovod's Adasum optimizer steps each rank's optimizer inside backward and combines
             # the updates in step(): there is no moment at which gradients could be unscaled,

@@ -29,7 +29,7 @@ class GradientSync:
     accumulate: int = 1
     """Backward passes per optimizer step."""
     compression: str = "none"
-    """`none` or `fp16`."""
+    """`none`, `fp16` or `bf16` on the wire."""
     adasum: bool = False
     """Adasum instead of averaging."""
     shard: bool = False

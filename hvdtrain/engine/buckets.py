@@ -90,3 +90,12 @@ def set_gradient(param: torch.nn.Parameter, combined: torch.Tensor, users: float
         param.grad = combined.view_as(param).clone()
     else:
         param.grad.copy_(combined.view_as(param))
+
+
+def write_back(bucket: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """Each parameter's combined gradient from a bucket's `flat` (the gradients, then one flag each)."""
+    used = flat[len(flat) - len(bucket):].tolist()
+    offset = 0
+    for param, users in zip(bucket, used):
+        set_gradient(param, flat[offset:offset + param.numel()], users)
+        offset += param.numel()

@@ -196,8 +196,8 @@ class HorovodEngine(WatchedEngine):
     def _skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
         return optimizer.skip_synchronize()
 
-    def _shard_collectives(self) -> "_HorovodShards":
-        return _HorovodShards(self)
+    def _segment_collectives(self) -> "_HorovodSegments":
+        return _HorovodSegments(self)
 
     def _broadcast_parameters(self, model: torch.nn.Module) -> None:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -253,9 +253,9 @@ class HorovodEngine(WatchedEngine):
         hvd.shutdown()
 
 
-class _HorovodShards:
-    """The sharded optimizer's collectives on Horovod (MPI or Gloo): equal segments, so Horovod's split
-    of the first dimension is the partition's."""
+class _HorovodSegments:
+    """Collectives over equal segments on Horovod (MPI, Gloo or NCCL): Horovod's split of the first
+    dimension is the partition's."""
 
     def __init__(self, engine: HorovodEngine):
         self.rank, self.size, self.allreduce_sum = engine.rank, engine.size, engine.allreduce_sum
@@ -266,8 +266,12 @@ class _HorovodShards:
     def all_gather(self, segment: torch.Tensor, name: str) -> Any:
         return hvd.allgather_async(segment, name=name)
 
+    def all_to_all(self, flat: torch.Tensor, name: str) -> Any:
+        return hvd.alltoall_async(flat, name=name)
+
     def wait(self, handle: Any) -> torch.Tensor:
-        return hvd.synchronize(handle)
+        result = hvd.synchronize(handle)
+        return result[0] if isinstance(result, tuple) else result  # an all-to-all's: (received, splits)
 
 
 class _ElasticState(ObjectState):

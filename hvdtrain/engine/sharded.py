@@ -11,40 +11,20 @@ Whole parameters are owned (never a slice), so any optimizer whose update is per
 AdamW, LAMB-like norms of a parameter) steps as it would unsharded. The partition depends only on
 the parameters' sizes, their order and the world size: both engines make the same one, and a
 checkpoint (which holds the optimizer state in the unsharded format, written in pieces) loads into
-any partition. Each bucket's collective is one equal segment per rank (what reduce-scatter and
-all-gather take on Horovod, Gloo and NCCL): a rank's parameters of the bucket, then one flag per
-parameter, then padding to the longest segment.
+any partition. Each bucket's collective is one equal segment per rank (`segments.py`): a rank's
+parameters of the bucket, then one flag per parameter, then padding to the longest segment.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Protocol
+from typing import Any, Callable, ContextManager
 
 import torch
 
 from hvdtrain.engine.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, BucketHooks, buckets, grads_with_flags
-
-
-class ShardCollectives(Protocol):
-    """What the sharded optimizer needs of an engine: asynchronous sums scattered in equal segments,
-    and gathers of equal segments, in rank order."""
-
-    rank: int
-    size: int
-
-    def reduce_scatter(self, flat: torch.Tensor, name: str) -> Any:
-        """Starts summing `flat` (size x segment) over ranks; this rank receives segment `rank`."""
-
-    def all_gather(self, segment: torch.Tensor, name: str) -> Any:
-        """Starts gathering every rank's `segment` into one tensor, rank by rank."""
-
-    def wait(self, handle: Any) -> torch.Tensor:
-        """The result of a started collective."""
-
-    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        """The element-wise sum over ranks, at once."""
+from hvdtrain.engine.segments import SegmentCollectives, finish_bf16_reduce_scatter, start_bf16_reduce_scatter
 
 
 @dataclass(frozen=True)
@@ -98,12 +78,13 @@ def partition(grouped: list[list[torch.nn.Parameter]], size: int) -> list[Bucket
 
 
 class ShardedGradients:
-    """The gradients and updates of a sharded optimizer, over an engine's `ShardCollectives`;
+    """The gradients and updates of a sharded optimizer, over an engine's `SegmentCollectives`;
     `watch(what)` is the engine's context for a collective the stall report should name."""
 
-    def __init__(self, params: list[torch.nn.Parameter], collectives: ShardCollectives, accumulate: int,
+    def __init__(self, params: list[torch.nn.Parameter], collectives: SegmentCollectives, accumulate: int,
                  compression: str, watch: Callable[[str], ContextManager] = lambda what: contextlib.nullcontext()):
-        self.comm, self.watch, self.fp16 = collectives, watch, compression == "fp16"
+        self.comm, self.watch = collectives, watch
+        self.fp16, self.bf16 = compression == "fp16", compression == "bf16"
         self.rank, self.size = collectives.rank, collectives.size
         self.shares = deal(params, self.size)
         self.hooks = BucketHooks([share.params for share in self.shares], accumulate, self._start)
@@ -123,18 +104,28 @@ class ShardedGradients:
         flat = torch.cat(pieces)
         for param in share.params:  # the flat copy is what travels: each rank keeps only its share's
             param.grad = None
+        name = f"hvdtrain.shard.grads.{index}"
+        if self.bf16:  # dist: the sum, in fp32 on the rank that owns each segment (segments.py)
+            self.pending.append(start_bf16_reduce_scatter(self.comm, flat, name))
+            return
         # dist: fp16 on the wire divides before the sum (as the allreduce does): a sum of gradients
         # each below fp16's limit can overflow where their average would not.
         wire = flat.div(self.size).half() if self.fp16 else flat
-        self.pending.append(self.comm.reduce_scatter(wire, f"hvdtrain.shard.grads.{index}"))  # dist: the sum
+        self.pending.append(self.comm.reduce_scatter(wire, name))  # dist: the sum
 
     def wait(self) -> None:
         """Every bucket's share received: this rank's parameters hold the averaged gradients, the others none."""
         self.hooks.start_rest()
         for share, handle in zip(self.shares, self.pending):
-            received = self.comm.wait(handle)
             mine = share.owned_by(self.rank)
-            averaged = received.to(share.params[0].dtype) if self.fp16 else received.div_(self.size)
+            if self.bf16:
+                # rounded to bf16 as the unsharded average is (it is all-gathered in bf16): sharding the
+                # optimizer does not change the weights
+                averaged = finish_bf16_reduce_scatter(self.comm, handle).div_(self.size).bfloat16()
+                averaged = averaged.to(share.params[0].dtype)
+            else:
+                received = self.comm.wait(handle)
+                averaged = received.to(share.params[0].dtype) if self.fp16 else received.div_(self.size)
             offset = sum(share.params[i].numel() for i in mine)
             flags = averaged[offset:offset + len(mine)].tolist()
             offset = 0

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from hvdtrain.engine.base import GradientSync
 from hvdtrain.engine.watched import WatchedEngine
-from hvdtrain.engine.buckets import BucketHooks, buckets, grads_with_flags, set_gradient
+from hvdtrain.engine.buckets import BucketHooks, buckets, grads_with_flags, write_back
 from hvdtrain.engine.environment import launcher_facts, port_for_job, slurm_first_node
 from hvdtrain.errors import RendezvousFailed, UserError, message_lines
 from hvdtrain.engine.activity import SET_UP_SECONDS, Activity
@@ -128,8 +128,8 @@ class TorchEngine(WatchedEngine):
     def _skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # `step` never reduces here
 
-    def _shard_collectives(self) -> "_TorchShards":
-        return _TorchShards(self)
+    def _segment_collectives(self) -> "_TorchSegments":
+        return _TorchSegments(self)
 
     def _broadcast_parameters(self, model: torch.nn.Module) -> None:
         for tensor in model.state_dict().values():
@@ -207,8 +207,8 @@ class _StoreBoard:
             return None
 
 
-class _TorchShards:
-    """The sharded optimizer's collectives on torch.distributed (Gloo or NCCL)."""
+class _TorchSegments:
+    """Collectives over equal segments on torch.distributed (Gloo or NCCL)."""
 
     def __init__(self, engine: TorchEngine):
         self.rank, self.size, self.allreduce_sum = engine.rank, engine.size, engine.allreduce_sum
@@ -220,6 +220,10 @@ class _TorchShards:
     def all_gather(self, segment: torch.Tensor, name: str) -> Any:
         gathered = segment.new_empty(segment.numel() * self.size)
         return dist.all_gather_single(gathered, segment, async_op=True), gathered
+
+    def all_to_all(self, flat: torch.Tensor, name: str) -> Any:
+        received = torch.empty_like(flat)
+        return dist.all_to_all_single(received, flat, async_op=True), received
 
     def wait(self, handle: Any) -> torch.Tensor:
         work, result = handle
@@ -253,11 +257,7 @@ class _OverlappedAverage:
                 flat = wire.to(flat.dtype)  # the average already
             else:
                 flat.div_(self.size)  # dist: ... over the world size: the average
-            used = flat[len(flat) - len(bucket):].tolist()
-            offset = 0
-            for param, users in zip(bucket, used):
-                set_gradient(param, flat[offset:offset + param.numel()], users)
-                offset += param.numel()
+            write_back(bucket, flat)
         self.started.clear()
         self.hooks.reset()
 

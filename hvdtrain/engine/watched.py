@@ -1,6 +1,6 @@
 """What the engines of several processes share: each collective tells the stall watchdog what it
-waits in (and a stall report names it), and a sharded optimizer's gradients go through the same
-`synchronize` as averaged ones."""
+waits in (and a stall report names it), and a sharded optimizer's gradients, and gradients with bf16
+on the wire, go through the same `synchronize` as averaged ones."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from typing import Any, Iterator
 import torch
 
 from hvdtrain.engine.base import Engine, GradientSync
-from hvdtrain.engine.sharded import ShardCollectives, ShardedGradients
+from hvdtrain.engine.bf16_average import Bf16Average
+from hvdtrain.engine.segments import SegmentCollectives
+from hvdtrain.engine.sharded import ShardedGradients
 from hvdtrain.engine.activity import Activity
 from hvdtrain.engine.watchdog import Board, StallWatchdog
 from hvdtrain.engine.whereabouts import Whereabouts
@@ -26,6 +28,7 @@ class WatchedEngine(Engine):
 
     activity: Activity
     _watchdog: StallWatchdog | None = None
+    _bf16_average: Bf16Average | None = None
     whereabouts: Whereabouts | None = None
 
     def watch(self, stall_timeout: int, elastic: bool) -> None:
@@ -69,14 +72,17 @@ class WatchedEngine(Engine):
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                        sync: GradientSync) -> torch.optim.Optimizer:
-        if not sync.shard:
+        if not sync.shard and sync.compression != "bf16":
             return self._wrap_optimizer(optimizer, model, sync)
         # In the model's order (backward's, reversed), not the optimizer's (AdamW's groups list the matrices,
         # then the biases): buckets then fill as backward goes and start early; plan deals out the same.
         order = {param: index for index, param in enumerate(model.parameters())}
         params = sorted((p for group in optimizer.param_groups for p in group["params"] if p.requires_grad),
                         key=lambda p: order.get(p, len(order)))
-        self.gradient_shards = ShardedGradients(params, self._shard_collectives(), sync.accumulate,
+        if not sync.shard:
+            self._bf16_average = Bf16Average(params, self._segment_collectives(), sync.accumulate)
+            return optimizer  # `step` is the optimizer's own: the gradients are averaged before it
+        self.gradient_shards = ShardedGradients(params, self._segment_collectives(), sync.accumulate,
                                                 sync.compression, watch=self._collective)
         # dist: after each step (only when taken: the gradient scaler and a non-finite skip decide alike
         # on every rank) every rank gets the others' updated parameters.
@@ -88,6 +94,10 @@ class WatchedEngine(Engine):
             with self._collective("the gradient reduce-scatter"):
                 self.gradient_shards.wait()
             return True
+        if self._bf16_average is not None:
+            with self._collective("the gradient exchange (bf16)"):
+                self._bf16_average.wait()
+            return True
         if self._updates_in_step():
             return False
         with self._collective("the gradient allreduce"):
@@ -95,8 +105,8 @@ class WatchedEngine(Engine):
         return True
 
     def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
-        if self.gradient_shards is not None:
-            return contextlib.nullcontext()
+        if self.gradient_shards is not None or self._bf16_average is not None:
+            return contextlib.nullcontext()  # `step` never exchanges anything here
         return self._skip_synchronize(optimizer)
 
     def _updates_in_step(self) -> bool:
@@ -143,7 +153,7 @@ class WatchedEngine(Engine):
                         sync: GradientSync) -> torch.optim.Optimizer: ...
 
     @abstractmethod
-    def _shard_collectives(self) -> ShardCollectives: ...
+    def _segment_collectives(self) -> SegmentCollectives: ...
 
     @abstractmethod
     def _synchronize(self, optimizer: torch.optim.Optimizer) -> None: ...

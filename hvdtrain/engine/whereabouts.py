@@ -24,10 +24,8 @@ from hvdtrain.engine.activity import Activity, allowed_wait, wait_rule
 from hvdtrain.engine.report_channel import (ANSWER_SECONDS, RankLink, ReportServer, end_process, own_addresses,
                                             request)
 from hvdtrain.engine.stacks import frame_line, main_frames, rank_report, report_text, state, user_frames
+from hvdtrain.io.run_dir import WHERE_FILE as LIVE_FILE, WHERE_FOLDER as FOLDER
 
-LIVE_FILE = "where.json"
-"""In a running job's run directory: how `hvdtrain where` reaches rank 0 (removed when the job ends)."""
-FOLDER = "where"
 _USER_FRAMES, _OTHER_FRAMES = 4, 2  # per rank in a summary; the files have every frame
 _WATCH_SLACK_SECONDS = 2.0
 """The most by which two ranks' watchdogs see the same stall apart (their polling interval)."""

@@ -25,11 +25,13 @@ from hvdtrain.io.atomic import atomic_write
 from hvdtrain.io.checkpoint import CHECKPOINTS, CheckpointStore, best_entry
 from hvdtrain.io.mlflow_log import RUN_ID_FILE
 from hvdtrain.config import RunConfig
-from hvdtrain.engine.whereabouts import FOLDER as WHERE_FOLDER, LIVE_FILE as WHERE_FILE
 from hvdtrain.errors import UserError
 
 TIMELINE = "horovod-timeline.json"
 METRICS = "metrics.jsonl"
+WHERE_FILE = "where.json"
+"""In a running job's run directory: how `hvdtrain where` reaches rank 0 (removed when the job ends)."""
+WHERE_FOLDER = "where"
 
 
 def read_metrics(path: Path, warn: Callable[[str], None] = lambda message: None) -> list[dict[str, Any]]:

@@ -74,8 +74,21 @@ def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
                "last_step": lr(max(0, lr.total_steps - 1))},
         "adasum": config.train.adasum,
         "shard_optimizer": config.train.shard_optimizer,
-        "memory": memory_per_rank(config, split, task, size),
+        "compression": config.train.compression,
+        "memory": (memory := memory_per_rank(config, split, task, size)),
+        "sent_per_step": sent_per_step(memory[0]["parameters"], size, config.train.shard_optimizer),
     }
+
+
+def sent_per_step(parameter_bytes: int, size: int, sharded: bool) -> dict[str, int]:
+    """The bytes each rank sends per optimizer step, with each compression. An allreduce (ring, or
+    reduce-scatter then all-gather) sends 2(N-1)/N of the gradients; sharded, the reduce-scatter sends
+    (N-1)/N of them and the all-gather (N-1)/N of the parameters, in fp32. fp16 and bf16 halve what
+    is sent as gradients (bf16 as a reduce-scatter and an all-gather: the same bytes)."""
+    share = (size - 1) / size
+    gradients = share * parameter_bytes * (1 if sharded else 2)
+    parameters = share * parameter_bytes if sharded else 0
+    return {name: int(gradients * factor + parameters) for name, factor in (("none", 1), ("fp16", 0.5), ("bf16", 0.5))}
 
 
 def memory_per_rank(config: Config, split: Any, task: Any, size: int) -> list[dict[str, int]]:
@@ -117,6 +130,7 @@ def render(plan: dict[str, Any]) -> str:
            else "no sample is left out"),
         _lr_line(plan, lr),
         *_memory_lines(plan),
+        _traffic_line(plan),
         "",
         "first global batch (epoch 1, step 1), indices into the training set:",
     ]
@@ -138,6 +152,16 @@ def _memory_lines(plan: dict[str, Any]) -> list[str]:
         return [f"memory per rank (trainable parameters, all on every rank): {held(memory[0])}"]
     return ["memory per rank, optimizer state sharded (each rank steps its share; gradients after the "
             "reduce-scatter):"] + [f"  rank {rank}: {held(entry)}" for rank, entry in enumerate(memory)]
+
+
+def _traffic_line(plan: dict[str, Any]) -> str:
+    if plan["world_size"] == 1:
+        return "sent per optimizer step: nothing (one process)"
+    if plan["adasum"]:
+        return "sent per optimizer step: Adasum's, in fp32 (its own pattern of exchanges)"
+    sent = [f"{mib(nbytes)} with {name}{' (this run)' if name == plan['compression'] else ''}"
+            for name, nbytes in plan["sent_per_step"].items()]
+    return f"sent per optimizer step by each rank: {', '.join(sent)}"
 
 
 def _lr_line(plan: dict[str, Any], lr: dict[str, Any]) -> str:
