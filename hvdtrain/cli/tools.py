@@ -54,7 +54,7 @@ def bench_allreduce(min_bytes: int, max_bytes: int, iterations: int, plot: str |
 @click.option("--steps", type=int, default=10, show_default=True, help="Steps per timed round.")
 @click.option("--repeats", type=int, default=5, show_default=True, help="Timed rounds.")
 @click.option("--scaling", is_flag=True, help="Also time one process alone and report the scaling efficiency.")
-@click.option("--compression", type=click.Choice(["none", "fp16", "bf16"]), default="none", show_default=True)
+@click.option("--compression", type=click.Choice(["none", "fp16", "bf16", "powersgd"]), default="none", show_default=True)
 @click.option("--precision", type=click.Choice(["32", "bf16", "fp16"]), default="32", show_default=True)
 @click.option("--channels-last", is_flag=True, help="Channels-last memory format for 4-d inputs.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)

@@ -26,9 +26,12 @@ class TrainConfig:
     """Seed for initial weights, data order and augmentation; the same seed gives the same run on CPU."""
     accumulate: int = 1
     """dist: backward passes per optimizer step (Horovod's backward_passes_per_step)."""
-    compression: Literal["none", "fp16", "bf16"] = "none"
+    compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
     """dist: gradients on the wire in half precision: `fp16` (divided by the world size before the sum, so
-    that it cannot overflow) or `bf16` (fp32's range; summed in fp32 where each segment is reduced)."""
+    that it cannot overflow) or `bf16` (fp32's range; summed in fp32 where each segment is reduced); or
+    `powersgd`: each gradient matrix as two low-rank factors, with error feedback (README, Across a slow network)."""
+    powersgd_rank: int = 2
+    """dist: with compression powersgd, the rank of each matrix's factors: higher sends more and loses less."""
     adasum: bool = False
     """dist: combine gradients with Adasum instead of averaging (needs the MPI controller)."""
     shard_optimizer: bool = False
@@ -178,12 +181,19 @@ class Config:
             require(not self.train.elastic, "train.shard_optimizer",
                     "does not work with train.elastic yet: a change of processes would need the shares dealt out "
                     "again; drop --elastic, or --shard-optimizer")
-        if self.train.compression == "bf16":
+        compression = self.train.compression
+        if compression in ("bf16", "powersgd"):
             require(not self.train.adasum, "train.compression",
-                    "is bf16, which does not work with train.adasum: Adasum is Horovod's own combination of whole tensors, "
-                    "in fp32 or fp16; use --compression fp16, or drop --adasum")
+                    f"is {compression}, which does not work with train.adasum: Adasum is Horovod's own combination of "
+                    "whole tensors, in fp32 or fp16; use --compression fp16, or drop --adasum")
             require(not self.train.elastic, "train.compression",
-                    "is bf16, which does not work with train.elastic yet: use --compression fp16, or drop --elastic")
+                    f"is {compression}, which does not work with train.elastic yet: use --compression fp16, or drop "
+                    "--elastic")
+        if compression == "powersgd":
+            require(not self.train.shard_optimizer, "train.compression",
+                    "is powersgd, which does not work with train.shard_optimizer: PowerSGD sends whole gradients' "
+                    "factors, not a share of each; use --compression bf16 with --shard-optimizer")
+        require(self.train.powersgd_rank >= 1, "train.powersgd_rank", f"must be 1 or more, got {self.train.powersgd_rank}")
         if self.train.adasum:
             # Horovod's Adasum optimizer steps each rank's optimizer inside backward and combines
             # the updates in step(): there is no moment at which gradients could be unscaled,

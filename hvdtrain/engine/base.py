@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import torch
 
+from hvdtrain.engine.powersgd import PowerSGD
 from hvdtrain.engine.sharded import ShardedGradients
 from hvdtrain.errors import UserError, note_where_the_job_stood, where_the_job_stood
 
@@ -29,12 +30,18 @@ class GradientSync:
     accumulate: int = 1
     """Backward passes per optimizer step."""
     compression: str = "none"
-    """`none`, `fp16` or `bf16` on the wire."""
+    """`none`, `fp16` or `bf16` on the wire, or `powersgd` (low-rank factors)."""
     adasum: bool = False
     """Adasum instead of averaging."""
     shard: bool = False
     """Optimizer state sharded across ranks (`hvdtrain.engine.sharded`): gradients reduce-scattered,
     each rank steps its share, parameters all-gathered."""
+    powersgd_rank: int = 2
+    """With `powersgd` compression: the rank of each matrix's factors."""
+    seed: int = 0
+    """PowerSGD's first factors are drawn from it (the same on every rank)."""
+    loss_scale: Callable[[], float] = lambda: 1.0
+    """The factor the gradients carry now (a gradient scaler's): PowerSGD keeps its errors unscaled."""
 
 
 class Engine(ABC):
@@ -49,6 +56,8 @@ class Engine(ABC):
     controller: str  # "gloo", "mpi", "nccl" or "local"
     gradient_shards: ShardedGradients | None = None
     """Set when the optimizer state is sharded: each rank's gradients are its share's only."""
+    powersgd: PowerSGD | None = None
+    """Set with PowerSGD: its error buffers (each rank's own) and factors are training state."""
 
     @property
     def is_root(self) -> bool:
@@ -156,6 +165,21 @@ class Engine(ABC):
         state = self.broadcast_object(on_cpu(state) if self.is_root else None, "optimizer_state")
         if not self.is_root:
             optimizer.load_state_dict(self.own_share(optimizer, state))
+
+    def broadcast_powersgd(self, saved: dict[str, Any] | None) -> None:
+        """PowerSGD's state from rank 0's checkpoint (`saved`: rank 0's, None where it starts afresh): each
+        rank gets the factors and its own errors, one rank at a time."""
+        if self.powersgd is None:
+            return
+        if not self.broadcast_object(saved is not None if self.is_root else None, "powersgd_resumed"):
+            return
+        for rank in range(self.size):
+            part = {"factors": saved["factors"], "errors": saved["errors"][rank]} if self.is_root else None
+            if rank:
+                part = self.broadcast_object(part, f"powersgd.{rank}")  # dist
+            if self.rank == rank:
+                self.powersgd.load_state_dict(part)
+            del part
 
     def own_share(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """An optimizer state dict as this rank's optimizer keeps it: all of it, or its share when sharded."""

@@ -12,8 +12,10 @@ from typing import Any
 import torch
 
 from hvdtrain.engine.buckets import BucketHooks, buckets, grads_with_flags, write_back
-from hvdtrain.engine.segments import (SegmentCollectives, finish_bf16_all_gather, finish_bf16_reduce_scatter,
-                                      start_bf16_all_gather, start_bf16_reduce_scatter)
+from hvdtrain.engine.segments import (SegmentCollectives, finish_all_gather, finish_reduce_scatter, padded,
+                                      start_all_gather, start_reduce_scatter)
+
+BF16 = torch.bfloat16
 
 
 class Bf16Average:
@@ -27,16 +29,15 @@ class Bf16Average:
     def _start(self, index: int) -> None:
         grads, used = grads_with_flags(self.hooks.buckets[index])
         values = torch.cat([*grads, used])
-        flat = values.new_zeros(-(-values.numel() // self.size) * self.size, dtype=torch.float32)
-        flat[:values.numel()] = values  # padded to equal segments
-        self.sent.append((start_bf16_reduce_scatter(self.comm, flat, f"hvdtrain.bf16.grads.{index}"), values.numel()))
+        self.sent.append((start_reduce_scatter(self.comm, padded(values, self.size), f"hvdtrain.bf16.grads.{index}",
+                                               BF16), values.numel()))
 
     def wait(self) -> None:
         self.hooks.start_rest()
-        gathers = [start_bf16_all_gather(self.comm, finish_bf16_reduce_scatter(self.comm, sent).div_(self.size),
-                                         f"hvdtrain.bf16.average.{index}")  # dist: ... over the world size
+        gathers = [start_all_gather(self.comm, finish_reduce_scatter(self.comm, sent, BF16).div_(self.size),
+                                    f"hvdtrain.bf16.average.{index}", BF16)  # dist: ... over the world size
                    for index, (sent, _) in enumerate(self.sent)]
         for bucket, gathered, (_, elements) in zip(self.hooks.buckets, gathers, self.sent):
-            write_back(bucket, finish_bf16_all_gather(self.comm, gathered)[:elements].to(bucket[0].dtype))
+            write_back(bucket, finish_all_gather(self.comm, gathered, BF16)[:elements].to(bucket[0].dtype))
         self.sent.clear()
         self.hooks.reset()

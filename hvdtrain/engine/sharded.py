@@ -24,7 +24,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from hvdtrain.engine.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, BucketHooks, buckets, grads_with_flags
-from hvdtrain.engine.segments import SegmentCollectives, finish_bf16_reduce_scatter, start_bf16_reduce_scatter
+from hvdtrain.engine.segments import SegmentCollectives, finish_reduce_scatter, start_reduce_scatter
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class ShardedGradients:
             param.grad = None
         name = f"hvdtrain.shard.grads.{index}"
         if self.bf16:  # dist: the sum, in fp32 on the rank that owns each segment (segments.py)
-            self.pending.append(start_bf16_reduce_scatter(self.comm, flat, name))
+            self.pending.append(start_reduce_scatter(self.comm, flat, name, torch.bfloat16))
             return
         # dist: fp16 on the wire divides before the sum (as the allreduce does): a sum of gradients
         # each below fp16's limit can overflow where their average would not.
@@ -121,7 +121,7 @@ class ShardedGradients:
             if self.bf16:
                 # rounded to bf16 as the unsharded average is (it is all-gathered in bf16): sharding the
                 # optimizer does not change the weights
-                averaged = finish_bf16_reduce_scatter(self.comm, handle).div_(self.size).bfloat16()
+                averaged = finish_reduce_scatter(self.comm, handle, torch.bfloat16).div_(self.size).bfloat16()
                 averaged = averaged.to(share.params[0].dtype)
             else:
                 received = self.comm.wait(handle)

@@ -1,6 +1,6 @@
 """What the engines of several processes share: each collective tells the stall watchdog what it
 waits in (and a stall report names it), and a sharded optimizer's gradients, and gradients with bf16
-on the wire, go through the same `synchronize` as averaged ones."""
+on the wire or PowerSGD, go through the same `synchronize` as averaged ones."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from hvdtrain.engine.base import Engine, GradientSync
 from hvdtrain.engine.bf16_average import Bf16Average
+from hvdtrain.engine.powersgd import PowerSGD
 from hvdtrain.engine.segments import SegmentCollectives
 from hvdtrain.engine.sharded import ShardedGradients
 from hvdtrain.engine.activity import Activity
@@ -28,7 +29,8 @@ class WatchedEngine(Engine):
 
     activity: Activity
     _watchdog: StallWatchdog | None = None
-    _bf16_average: Bf16Average | None = None
+    _exchange: Bf16Average | PowerSGD | None = None
+    """Gradients averaged by hvdtrain itself (bf16 on the wire, PowerSGD), not by the engine's optimizer."""
     whereabouts: Whereabouts | None = None
 
     def watch(self, stall_timeout: int, elastic: bool) -> None:
@@ -72,15 +74,21 @@ class WatchedEngine(Engine):
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                        sync: GradientSync) -> torch.optim.Optimizer:
-        if not sync.shard and sync.compression != "bf16":
+        if not sync.shard and sync.compression not in ("bf16", "powersgd"):
             return self._wrap_optimizer(optimizer, model, sync)
         # In the model's order (backward's, reversed), not the optimizer's (AdamW's groups list the matrices,
         # then the biases): buckets then fill as backward goes and start early; plan deals out the same.
         order = {param: index for index, param in enumerate(model.parameters())}
         params = sorted((p for group in optimizer.param_groups for p in group["params"] if p.requires_grad),
                         key=lambda p: order.get(p, len(order)))
-        if not sync.shard:
-            self._bf16_average = Bf16Average(params, self._segment_collectives(), sync.accumulate)
+        if sync.compression == "powersgd":
+            self.powersgd = PowerSGD(params, self._segment_collectives(), sync.powersgd_rank, sync.seed,
+                                     sync.loss_scale)
+            self._exchange = self.powersgd
+        elif not sync.shard:
+            self._exchange = Bf16Average(params, self._segment_collectives(), sync.accumulate)
+        if self._exchange is not None:
+            self._exchange_name = f"the gradient exchange ({sync.compression})"
             return optimizer  # `step` is the optimizer's own: the gradients are averaged before it
         self.gradient_shards = ShardedGradients(params, self._segment_collectives(), sync.accumulate,
                                                 sync.compression, watch=self._collective)
@@ -94,9 +102,9 @@ class WatchedEngine(Engine):
             with self._collective("the gradient reduce-scatter"):
                 self.gradient_shards.wait()
             return True
-        if self._bf16_average is not None:
-            with self._collective("the gradient exchange (bf16)"):
-                self._bf16_average.wait()
+        if self._exchange is not None:
+            with self._collective(self._exchange_name):
+                self._exchange.wait()
             return True
         if self._updates_in_step():
             return False
@@ -105,7 +113,7 @@ class WatchedEngine(Engine):
         return True
 
     def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
-        if self.gradient_shards is not None or self._bf16_average is not None:
+        if self.gradient_shards is not None or self._exchange is not None:
             return contextlib.nullcontext()  # `step` never exchanges anything here
         return self._skip_synchronize(optimizer)
 

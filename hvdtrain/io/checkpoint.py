@@ -62,8 +62,11 @@ class CheckpointState:
     """Rank r's random states at index r."""
     stream_plan: dict[str, Any] | None = None
     optimizer_pieces: list[dict[str, str]] | None = None
-    """A sharded optimizer's: the files holding the other ranks' shares of the optimizer state
-    (`optimizer` holds rank 0's and the groups), each with its sha256."""
+    """The files holding what only the other ranks hold, each with its sha256: a sharded optimizer's
+    shares of the state (`optimizer` holds rank 0's and the groups), PowerSGD's error buffers."""
+    powersgd: dict[str, Any] | None = None
+    """PowerSGD's state: `world_size`, the `factors` and `errors` by rank (rank 0's here, the others'
+    in the pieces)."""
 
     def to_dict(self) -> dict[str, Any]:
         state = {"model": self.model, "optimizer": self.optimizer, "epoch": self.epoch, "step": self.step,
@@ -75,6 +78,8 @@ class CheckpointState:
             state.update(stream_plan=self.stream_plan)
         if self.optimizer_pieces:
             state.update(optimizer_pieces=self.optimizer_pieces)
+        if self.powersgd is not None:
+            state.update(powersgd=self.powersgd)
         return state
 
 
@@ -276,7 +281,10 @@ class CheckpointStore:
             if not piece_path.is_file() or sha256_of(piece_path) != piece["sha256"]:
                 raise UserError(f"checkpoint '{path}' names the optimizer state piece {piece_path}, which is missing "
                                 "or does not match its sha256: resume from an older checkpoint (remove this one)")
-            state["optimizer"]["state"].update(_read(piece_path)["state"])
+            piece = _read(piece_path)
+            state["optimizer"]["state"].update(piece.get("state", {}))
+            if "powersgd_errors" in piece:
+                state["powersgd"]["errors"][piece["rank"]] = piece["powersgd_errors"]
         return state
 
     def _manifest(self) -> dict[str, Any] | None:

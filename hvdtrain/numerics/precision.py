@@ -29,6 +29,10 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=_DTYPES[self.mode])
 
+    def loss_scale(self) -> float:
+        """The factor the gradients of the next backward pass carry (1 without a scaler)."""
+        return self.scaler.get_scale() if self.scaler is not None else 1.0
+
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 

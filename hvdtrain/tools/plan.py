@@ -21,6 +21,7 @@ from hvdtrain.engine.environment import available_cores
 from hvdtrain.data.sampler import EvalShardSampler
 from hvdtrain.data.stream_sampler import training_sampler
 from hvdtrain.data.streams import StreamDataset
+from hvdtrain.engine.powersgd import sent_values
 from hvdtrain.engine.sharded import held_bytes
 from hvdtrain.models import ModelShapes
 from hvdtrain.train.schedule import learning_rate
@@ -61,6 +62,8 @@ def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     lr = learning_rate(config, steps)
     val = [EvalShardSampler(n_val, batch, r, size) for r in range(size)]
     first = [next(iter(s), []) for s in samplers]
+    params: list[torch.nn.Parameter] = []
+    memory = memory_per_rank(config, split, task, size, params)
     return {
         "world_size": size, "data": config.data.name, "task": task.name, "train_samples": n_train,
         "val_samples": n_val, "epochs": config.train.epochs,
@@ -75,28 +78,32 @@ def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "adasum": config.train.adasum,
         "shard_optimizer": config.train.shard_optimizer,
         "compression": config.train.compression,
-        "memory": (memory := memory_per_rank(config, split, task, size)),
-        "sent_per_step": sent_per_step(memory[0]["parameters"], size, config.train.shard_optimizer),
+        "memory": memory,
+        "sent_per_step": sent_per_step(memory[0]["parameters"], size, config.train.shard_optimizer,
+                                       powersgd_bytes=4 * sent_values(params, config.train.powersgd_rank)),
     }
 
 
-def sent_per_step(parameter_bytes: int, size: int, sharded: bool) -> dict[str, int]:
+def sent_per_step(parameter_bytes: int, size: int, sharded: bool, powersgd_bytes: int = 0) -> dict[str, int]:
     """The bytes each rank sends per optimizer step, with each compression. An allreduce (ring, or
     reduce-scatter then all-gather) sends 2(N-1)/N of the gradients; sharded, the reduce-scatter sends
     (N-1)/N of them and the all-gather (N-1)/N of the parameters, in fp32. fp16 and bf16 halve what
-    is sent as gradients (bf16 as a reduce-scatter and an all-gather: the same bytes)."""
+    is sent as gradients (bf16 as a reduce-scatter and an all-gather: the same bytes). PowerSGD sums
+    `powersgd_bytes` (its factors, and the tensors it sends whole) as an allreduce would; not sharded."""
     share = (size - 1) / size
     gradients = share * parameter_bytes * (1 if sharded else 2)
     parameters = share * parameter_bytes if sharded else 0
-    return {name: int(gradients * factor + parameters) for name, factor in (("none", 1), ("fp16", 0.5), ("bf16", 0.5))}
+    sent = {name: int(gradients * factor + parameters) for name, factor in (("none", 1), ("fp16", 0.5), ("bf16", 0.5))}
+    return sent if sharded else {**sent, "powersgd": int(2 * share * powersgd_bytes)}
 
 
-def memory_per_rank(config: Config, split: Any, task: Any, size: int) -> list[dict[str, int]]:
-    """What each rank holds, in bytes: the model built as fit builds it, and its optimizer's state measured
-    after one step on zero gradients (any optimizer, a user's too)."""
+def memory_per_rank(config: Config, split: Any, task: Any, size: int,
+                    params: list[torch.nn.Parameter]) -> list[dict[str, int]]:
+    """What each rank holds, in bytes: the model built as fit builds it (its trainable parameters added to
+    `params`), and its optimizer's state measured after one step on zero gradients (any optimizer, a user's too)."""
     model = ModelShapes(split.input_shape, split.num_classes,
                         task.num_outputs(split.num_classes, split.target_shape)).build(config.model)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params += [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, model)
     for param in params:
         param.grad = torch.zeros_like(param)

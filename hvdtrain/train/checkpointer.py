@@ -69,14 +69,25 @@ class Checkpointer:
         self._save_together(state, CheckpointStore.file_name(epoch - 1, position))
 
     def _state(self, epoch: int, step: int, lr_batch: int) -> CheckpointState:
-        run = self.run
-        return CheckpointState(unwrapped(run.model).state_dict(), run.optimizer.state_dict(), epoch, step,
-                               self.engine.size, lr_batch, run.precision.state_dict(), run.task.name,
-                               run.shapes.to_dict(), self.config.to_dict())
+        run, powersgd = self.run, self.engine.powersgd
+        state = CheckpointState(unwrapped(run.model).state_dict(), run.optimizer.state_dict(), epoch, step,
+                                self.engine.size, lr_batch, run.precision.state_dict(), run.task.name,
+                                run.shapes.to_dict(), self.config.to_dict())
+        if powersgd is not None:  # rank 0's errors; the others' arrive as pieces (CheckpointStore.load)
+            own = powersgd.state_dict()
+            state.powersgd = {"world_size": own["world_size"], "factors": own["factors"], "errors": {0: own["errors"]}}
+        return state
+
+    def _piece(self) -> dict[str, Any]:
+        """What only this rank holds, for rank 0 to write beside the checkpoint: its share of a sharded
+        optimizer's state, or its PowerSGD errors."""
+        if self.engine.gradient_shards is not None:
+            return {"state": on_cpu(self.run.optimizer.state_dict()["state"])}
+        return {"rank": self.engine.rank, "powersgd_errors": self.engine.powersgd.state_dict()["errors"]}
 
     def _save_together(self, make: Callable[[], tuple[CheckpointState, int, dict]], name: str) -> None:
-        """Rank 0 writes checkpoint `name` while every rank waits for it (with a sharded optimizer, first
-        each other rank's share, as it arrives: no rank ever holds the whole state); a failure to write (a
+        """Rank 0 writes checkpoint `name` while every rank waits for it (with a sharded optimizer or PowerSGD,
+        first what each other rank alone holds, as it arrives: no rank ever holds all of it); a failure to write (a
         full disk) or writes slower than run.checkpoint_timeout seconds stop every rank with one line."""
         engine, timeout = self.engine, self.config.run.checkpoint_timeout
         with engine.agree("checkpoint"):  # dist: the others learn how rank 0's write went
@@ -84,9 +95,10 @@ class Checkpointer:
             left = engine.doing("a checkpoint write")
             started, pieces = time.monotonic(), []
             writer, late, failed = None, False, False
-            for sender in range(1, engine.size) if engine.gradient_shards is not None else ():
-                share = {"state": on_cpu(self.run.optimizer.state_dict()["state"])} if engine.rank == sender else None
-                received = engine.send_to_root(share, sender, "optimizer_share")  # dist
+            in_pieces = engine.gradient_shards is not None or engine.powersgd is not None
+            for sender in range(1, engine.size) if in_pieces else ():
+                share = self._piece() if engine.rank == sender else None
+                received = engine.send_to_root(share, sender, "checkpoint_piece")  # dist
                 writer = _Writer(functools.partial(_write_piece, self.store, name, sender, received, pieces)) \
                     if engine.is_root else None
                 del share, received
@@ -170,10 +182,12 @@ class _Writer:
         raise err
 
 
-def restore(run: Run, config: Config, run_dir: Path, engine: Engine) -> tuple[Start, dict[str, Any] | None]:
+def restore(run: Run, config: Config, run_dir: Path,
+            engine: Engine) -> tuple[Start, dict[str, Any] | None, dict[str, Any] | None]:
     """Rank 0: loads the newest intact checkpoint into the model, optimizer (its share, when sharded) and
-    gradient scaler, and says where the run goes on from. Returns that, and with a sharded optimizer
-    the whole optimizer state, for the others' shares (written on any world size, sharded or not)."""
+    gradient scaler, and says where the run goes on from. Returns that; with a sharded optimizer the
+    whole optimizer state, for the others' shares (written on any world size, sharded or not); with
+    PowerSGD its saved state where it fits this run (else it starts afresh, said here)."""
     path = CheckpointStore(run_dir).latest_valid(warn=lambda message: say(f"hvdtrain: warning: {message}"))
     if path is None:
         raise UserError(f"no intact checkpoint to resume in '{run_dir}/checkpoints': every one is corrupt or "
@@ -198,7 +212,23 @@ def restore(run: Run, config: Config, run_dir: Path, engine: Engine) -> tuple[St
     start = Start.of(state)
     inside = f", {start.position} samples into epoch {state['epoch'] + 1}" if start.position else ""
     say(f"hvdtrain: resuming from {path} (epoch {state['epoch']}, step {state['step']}{inside})")
-    return start, whole if engine.gradient_shards is not None else None
+    return start, whole if engine.gradient_shards is not None else None, _powersgd_state(state, engine)
+
+
+def _powersgd_state(state: dict[str, Any], engine: Engine) -> dict[str, Any] | None:
+    """The checkpoint's PowerSGD state where this run can go on with it: as many processes, the same
+    matrices and ranks. Else its errors and factors start afresh, said in one line."""
+    saved = state.get("powersgd")
+    if engine.powersgd is None or (saved is not None and engine.powersgd.fits(saved)):
+        return saved
+    if saved is None:
+        why = f"the checkpoint was written with --compression {state['config'].get('train', {}).get('compression')}"
+    elif saved.get("world_size") != engine.size:
+        why = f"the checkpoint was written by {saved.get('world_size')} processes and this run has {engine.size}"
+    else:
+        why = "the checkpoint's factors are of another train.powersgd_rank"
+    say(f"hvdtrain: PowerSGD's error buffers and factors start afresh: {why}")
+    return None
 
 
 def _optimizer_state(saved: dict[str, Any], run: Run, config: Config) -> dict[str, Any]:

@@ -62,6 +62,8 @@ def _train(trainer: Trainer, signals: StopSignals, started: float) -> dict[str, 
     engine.broadcast_parameters(run.model)
     engine.broadcast_optimizer_state(run.optimizer, trainer.resumed_optimizer)
     trainer.resumed_optimizer = None  # rank 0's copy of the whole state: not kept for the run
+    engine.broadcast_powersgd(trainer.resumed_powersgd)
+    trainer.resumed_powersgd = None
     start = engine.broadcast_object(start, "start")
     run.precision.load_state_dict(engine.broadcast_object(run.precision.state_dict(), "scaler"))  # dist: fp16
     step = trainer.begin(run_dir, start, Totals(started, start.epoch))

@@ -69,14 +69,16 @@ def build(config: Config, engine: Engine) -> Run:
     model = shapes.build(config.model).to(engine.device)
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    precision = Precision(config.train.precision, engine.device)
+    train = config.train
     optimizer = engine.wrap_optimizer(
         make_optimizer(config, model), model,
-        GradientSync(config.train.accumulate, config.train.compression, config.train.adasum,
-                     config.train.shard_optimizer),
+        GradientSync(train.accumulate, train.compression, train.adasum, train.shard_optimizer, train.powersgd_rank,
+                     train.seed, precision.loss_scale),
     )
     # Compiled after wrapping: Horovod's hooks sit on the parameters, which compiling keeps.
     forward = torch.compile(model) if config.train.compile else model
-    return Run(forward, optimizer, task, split, Precision(config.train.precision, engine.device), shapes,
+    return Run(forward, optimizer, task, split, precision, shapes,
                workers=data_workers(config.data.num_workers, split.train, engine.device.type, engine.local_size),
                collate=collate_function(config.data.collate, config.task.ignore_index, task.target_key))
 

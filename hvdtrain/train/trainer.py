@@ -76,6 +76,8 @@ class Trainer:
         self.run_dir: Path | None = None  # rank 0's, until `begin`
         self.resumed_optimizer: dict[str, Any] | None = None
         """Rank 0, resuming with a sharded optimizer: the whole optimizer state, for the others' shares."""
+        self.resumed_powersgd: dict[str, Any] | None = None
+        """Rank 0, resuming with PowerSGD: every rank's errors and the factors."""
         self.loggers: Loggers | None = None
 
     # --- set-up, the same for plain and elastic fit
@@ -99,7 +101,7 @@ class Trainer:
         self.run_dir, resuming = prepare_run_dir(self.config.run)
         if not resuming:
             return Start()
-        start, self.resumed_optimizer = restore(self.run, self.config, self.run_dir, self.engine)
+        start, self.resumed_optimizer, self.resumed_powersgd = restore(self.run, self.config, self.run_dir, self.engine)
         return start
 
     def reshard(self) -> None:

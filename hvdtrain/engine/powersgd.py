@@ -1,0 +1,119 @@
+"""PowerSGD (`train.compression powersgd`; Vogels, Karimireddy and Jaggi, NeurIPS 2019): each gradient
+matrix M (n x m; a convolution's weight as out x in·k·k) is sent as two thin factors of rank r,
+P = M Q (n x r) and Q = Mᵀ P̂ (m x r), instead of n·m values. Per step and matrix:
+
+    M  = this rank's gradient + its error E   (error feedback: what compression left out before)
+    P  = average over ranks of M Q;  P̂ = P orthonormalised
+    Q  = average over ranks of Mᵀ P̂           (kept: the next step starts from it, the "warm start")
+    gradient = P̂ Qᵀ;  E = M - P̂ Qᵀ            (E is this rank's own)
+
+Tensors that a low rank would not shrink (biases, norms, small matrices) are averaged as they are,
+in the same sum as the P factors. Both sums are `segments.sum_in_rank_order`: the two engines
+make the same ones and end with the same weights.
+
+The error buffers (each rank's own) and the factors (the same on every rank) are training state:
+`state_dict` for a checkpoint, `load_state_dict` on resume on as many processes. With a gradient
+scaler the errors are kept unscaled (the scale changes between steps), and a step whose sums are
+not finite (an overflow) changes neither: its gradients are not finite either, so it is skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from hvdtrain.engine.segments import SegmentCollectives, sum_in_rank_order
+
+# Factors start as random matrices drawn from this (and train.seed): the same on every rank.
+_FACTOR_SEED = 7919
+
+
+def compressed_rank(param: torch.Tensor, rank: int) -> int:
+    """The rank at which `param`'s gradient is sent as factors; 0: sent whole (a vector, or a matrix
+    whose factors would be no smaller)."""
+    if param.dim() < 2:
+        return 0
+    n, m = param.shape[0], param[0].numel()
+    r = min(rank, n, m)
+    return r if (n + m) * r < n * m else 0
+
+
+def sent_values(params: list[torch.Tensor], rank: int) -> int:
+    """Values summed over ranks per step: each compressed matrix's two factors, every other tensor whole."""
+    total = 0
+    for param in params:
+        r = compressed_rank(param, rank)
+        total += (param.shape[0] + param[0].numel()) * r if r else param.numel()
+    return total
+
+
+class PowerSGD:
+    """`wait` (after the last backward pass of a step) replaces each gradient by its compressed average."""
+
+    def __init__(self, params: list[torch.nn.Parameter], collectives: SegmentCollectives, rank: int, seed: int,
+                 loss_scale: Callable[[], float]):
+        self.comm, self.size, self.loss_scale = collectives, collectives.size, loss_scale
+        self.params = params
+        self.ranks = [compressed_rank(p, rank) for p in params]
+        self.matrices = [i for i, r in enumerate(self.ranks) if r]
+        self.whole = [i for i, r in enumerate(self.ranks) if not r]
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + _FACTOR_SEED)
+        self.factors = {i: torch.randn(params[i][0].numel(), self.ranks[i], generator=generator)
+                        .to(params[i].device) for i in self.matrices}
+        self.errors = {i: torch.zeros(params[i].shape[0], params[i][0].numel(), device=params[i].device)
+                       for i in self.matrices}
+
+    def wait(self) -> None:
+        params, scale = self.params, self.loss_scale()
+        used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        # dist: errors are kept unscaled; the gradients carry this step's loss scale
+        full = {i: grads[i].reshape(grads[i].shape[0], -1).float() + self.errors[i] * scale for i in self.matrices}
+        first = torch.cat([*((full[i] @ self.factors[i]).reshape(-1) for i in self.matrices),
+                           *(grads[i].reshape(-1).float() for i in self.whole), used])
+        summed = sum_in_rank_order(self.comm, first, "hvdtrain.powersgd.p") / self.size  # dist
+        offset, left = 0, {}
+        for i in self.matrices:
+            n, r = full[i].shape[0], self.ranks[i]
+            left[i] = torch.linalg.qr(summed[offset:offset + n * r].view(n, r)).Q  # P̂: orthonormal columns
+            offset += n * r
+        averaged = {}
+        for i in self.whole:
+            averaged[i] = summed[offset:offset + params[i].numel()]
+            offset += params[i].numel()
+        users = (summed[offset:] * self.size).round().tolist()
+        right = summed.new_zeros(0)
+        if self.matrices:  # the same on every rank: the model's
+            second = torch.cat([(full[i].T @ left[i]).reshape(-1) for i in self.matrices])
+            right = sum_in_rank_order(self.comm, second, "hvdtrain.powersgd.q") / self.size  # dist
+        finite = bool(summed.isfinite().all()) and bool(right.isfinite().all())  # dist: the same on every rank
+        offset = 0
+        for i in self.matrices:
+            m, r = full[i].shape[1], self.ranks[i]
+            factor = right[offset:offset + m * r].view(m, r)
+            offset += m * r
+            approximation = left[i] @ factor.T
+            if finite and users[i]:  # a skipped step (an overflow), or a tensor no rank used, changes no state
+                self.errors[i] = (full[i] - approximation) / scale
+                self.factors[i] = factor
+            averaged[i] = approximation
+        for i, param in enumerate(params):
+            param.grad = None if users[i] == 0 else averaged[i].reshape(param.shape).to(param.dtype)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's errors and the factors (the same on every rank), on the host, by parameter index."""
+        return {"world_size": self.size, "factors": {i: t.cpu() for i, t in self.factors.items()},
+                "errors": {i: t.cpu() for i, t in self.errors.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Factors and this rank's errors as saved by a run of as many processes and the same model."""
+        for name, held in (("factors", self.factors), ("errors", self.errors)):
+            for i in held:
+                held[i] = state[name][i].to(held[i].device)
+
+    def fits(self, state: dict[str, Any]) -> bool:
+        """Whether saved state is this run's to load: as many processes, the same matrices and ranks."""
+        return state.get("world_size") == self.size and \
+            {i: tuple(t.shape) for i, t in state.get("factors", {}).items()} == \
+            {i: tuple(t.shape) for i, t in self.factors.items()}
