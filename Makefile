@@ -38,11 +38,13 @@ test-kill: install-test
 ## make bench: hvdtrain fit against a hand-written Horovod loop, torchrun DDP and one process;
 ## then the cost of the stop check and of checkpoints inside an epoch; then the input pipeline of
 ## each kind of data source, and of a generated folder of JPEGs (decoding, augmentation on the device);
-## then a 50 M-parameter model with AdamW, its optimizer state sharded against not (memory, samples/s).
+## then a 50 M-parameter model with AdamW, its optimizer state sharded against not (memory, samples/s);
+## then two hosts on a 1 Gbit/s link (as root): fp32, fp16, bf16 and PowerSGD against the ceiling.
 bench: install-test
 	python benchmarks/run.py
 	python benchmarks/stop_check.py
 	python benchmarks/sharded_optimizer.py
+	python benchmarks/two_hosts.py
 	python benchmarks/data_sources.py
 	python benchmarks/image_folder.py
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The tools the system tests run for real: a one-node Slurm cluster (slurmd, slurmctld,
-# munge) and container image builds (buildah, podman, debootstrap for a local base
-# image, the CNI plugins for podman's networks). Debian packages, installed when we are
+# munge), container image builds (buildah, podman, debootstrap for a local base
+# image, the CNI plugins for podman's networks) and two hosts joined by a throttled link
+# (iproute2: network namespaces, a veth pair, tc). Debian packages, installed when we are
 # root and one is missing; quick when all are there. Each package is checked on its own
 # (dpkg), not by one command standing for the rest: a machine with podman but without,
 # say, its network plugins gets them. Without root or apt the system tests are skipped
@@ -14,6 +15,7 @@ say() { printf '[cluster-tools] %s\n' "$*"; }
 packages=(
   slurmd slurmctld munge slurm-client
   buildah podman runc debootstrap fuse-overlayfs uidmap slirp4netns containernetworking-plugins
+  iproute2
 )
 installed() { [ "$(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null)" = installed ]; }
 needed=()
@@ -24,7 +26,7 @@ if [ ${#needed[@]} -eq 0 ]; then
   exit 0
 fi
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-  say "not installing ${needed[*]} (needs root and apt-get): the Slurm and image tests will be skipped"
+  say "not installing ${needed[*]} (needs root and apt-get): the Slurm, image and two-host tests will be skipped"
   exit 0
 fi
 say "installing ${needed[*]}"
