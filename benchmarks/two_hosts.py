@@ -6,7 +6,9 @@ Each host is a network namespace of its own (its own interfaces, addresses and T
 the other by a veth pair whose two ends are both named `hv0` (so that horovodrun and Gloo find one
 interface name on every host) and each limited to RATE by a token bucket (`tc qdisc tbf`). Every
 byte between the ranks crosses that link; nothing else does. One rank per host, started in its
-namespace by `torchrun --nnodes 2` (the torch engine) or, over SSH, by `horovodrun --gloo`.
+namespace by `torchrun --nnodes 2` (the torch engine) or, over SSH, by `horovodrun --gloo`. The
+machine's name resolves to a loopback address in both (as Debian's /etc/hosts has it on many
+clusters): horovodrun's choice of interface must hold throughout (launch/horovod-source.sh).
 
 The comm-heavy job: an MLP of 25 M parameters (100 MB of fp32 gradients a step), batch 32 a rank,
 one thread a rank. Samples/s (the epochs after the first) of fp32, fp16, bf16 and PowerSGD, each
@@ -21,7 +23,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.run import BIN, environment, host_settings  # noqa: E402
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
-ETC_NETNS = Path("/etc/netns")
 SSH_KEYS = Path(os.environ.get("HVDTRAIN_CACHE", Path.home() / ".cache" / "hvdtrain")) / "two-hosts-ssh"
 """The two hosts' sshd keys, kept between runs."""
 INTERFACE = "hv0"
@@ -83,11 +83,6 @@ def throttled_hosts(rate: str) -> Iterator[list[list[str]]]:
             made.append(name)
         _ip("link", "add", f"hv{os.getpid()}a", "type", "veth", "peer", "name", f"hv{os.getpid()}b")
         for name, end, address in zip(names, (f"hv{os.getpid()}a", f"hv{os.getpid()}b"), ADDRESSES):
-            # `ip netns exec` mounts /etc/netns/NAME/hosts over /etc/hosts: in each namespace this machine's
-            # name is the host's address, as on a cluster (Horovod 0.28.1's Gloo contexts of a process set
-            # ignore --network-interface and bind to the address the host name resolves to)
-            (ETC_NETNS / name).mkdir(parents=True, exist_ok=True)
-            (ETC_NETNS / name / "hosts").write_text(f"127.0.0.1 localhost\n{address} {socket.gethostname()}\n")
             _ip("link", "set", end, "netns", name)
             _ip("-n", name, "link", "set", end, "name", INTERFACE)
             _ip("-n", name, "addr", "add", f"{address}/24", "dev", INTERFACE)
@@ -100,8 +95,6 @@ def throttled_hosts(rate: str) -> Iterator[list[list[str]]]:
     finally:
         for name in made:
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
-        for name in names:
-            shutil.rmtree(ETC_NETNS / name, ignore_errors=True)
 
 
 def torchrun_on_two_hosts(hosts: list[list[str]], fit_args: list[str], env: dict[str, str],

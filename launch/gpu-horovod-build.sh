@@ -64,7 +64,7 @@ print(int(cuda), capability, include, lib, torch.__version__.split("+")[0], "cp{
 PY
 )
 read -r cuda capability nccl_include nccl_lib torch_version py_tag <<<"$facts"
-flavour="torch$torch_version-$py_tag-mpi0-gpu$cuda"
+flavour="torch$torch_version-$py_tag-mpi0-gpu$cuda-src1"  # -src1: launch/horovod-source.sh's fix
 [ "$cuda" = 1 ] && flavour+="-cc$capability"
 wheel_dir="${HVDTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}/wheels/$(basename "$sdist" .tar.gz)-$flavour"
 
@@ -99,8 +99,11 @@ fi
 started=$SECONDS
 if find "$wheel_dir" -name 'horovod-*.whl' 2>/dev/null | grep -q .; then
   say "reusing the wheel built before in $wheel_dir"
+elif ! source_dir=$(bash "$here/launch/horovod-source.sh" "$py" "" "$work/source" "$sdist"); then
+  echo "gpu-horovod-build.sh: could not unpack and fix $sdist" >&2
+  exit 1
 elif ! env "${build_env[@]}" "$py" -m pip --disable-pip-version-check wheel -v --no-build-isolation --no-deps \
-    --no-index --no-cache-dir -w "$wheel_dir" "$sdist" >"$log" 2>&1; then
+    --no-index --no-cache-dir -w "$wheel_dir" "$source_dir" >"$log" 2>&1; then
   tail -n 40 "$log" >&2
   failure=$(grep -m 1 -E '(error|Error|ERROR)[: ]' "$log" || echo "see the log")
   echo "gpu-horovod-build.sh: the Horovod build failed after $((SECONDS - started)) s: $failure (log: $log)" >&2

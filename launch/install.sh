@@ -90,7 +90,8 @@ if [ "$engine" = all ]; then
   # 4. Horovod, built once per (Python, torch, MPI, GPU) and cached as a wheel.
   torch_version=$("$py" -c 'import torch; print(torch.__version__.split("+")[0])')
   py_tag=$("$py" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")')
-  flavour="torch${torch_version}-${py_tag}-mpi${with_mpi}-gpu${gpu}"
+  # -src1: built from launch/horovod-source.sh's source (its fix); a wheel built before it is not reused
+  flavour="torch${torch_version}-${py_tag}-mpi${with_mpi}-gpu${gpu}-src1"
   [ "${HVDTRAIN_HOROVOD_DEBUG_INFO:-0}" = 1 ] && flavour="$flavour-debug"  # launch/cxx17.sh
   wheel_dir="$cache/wheels/horovod-$horovod_version-$flavour"
   # HVDTRAIN_WHEELHOUSE: read-only wheels laid out as this cache's wheels/ folder (an image
@@ -100,7 +101,10 @@ if [ "$engine" = all ]; then
     wheel_dir="$lent"
   fi
 
+  # Which wheel the environment holds: one of an older flavour (say, without the source's fix) is replaced.
+  installed_flavour="$venv/horovod-flavour"
   horovod_ok() {
+    [ "$(cat "$installed_flavour" 2>/dev/null)" = "$flavour" ] || return 1
     "$py" - "$with_mpi" <<'PY' 2>/dev/null
 import sys
 import horovod.torch as hvd
@@ -116,9 +120,15 @@ PY
       # pip's own wheel cache is bypassed (--no-cache-dir): it keys builds by the sdist, not
       # by the torch they were compiled against; this cache is keyed by both.
       # Horovod 0.28.1 pins -std=c++14; torch >= 2.1 headers need C++17. A compiler
-      # wrapper raises the standard without patching Horovod's sources.
+      # wrapper raises the standard; launch/horovod-source.sh makes one fix to the source.
       wrapper="$here/launch/cxx17.sh"
       pip install 'setuptools<81' wheel packaging cloudpickle psutil pyyaml cffi numpy
+      source_dir=$(bash "$here/launch/horovod-source.sh" "$py" "$horovod_version" "$cache/build/horovod-source" \
+        2>"$cache/build/horovod-source.log") || {
+          cat "$cache/build/horovod-source.log" >&2
+          echo "install.sh: could not get Horovod $horovod_version's source" >&2
+          exit 1
+        }
       build_env=(
         CXX="$wrapper"
         HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1
@@ -129,7 +139,7 @@ PY
       if [ "$gpu" = 1 ]; then build_env+=(HOROVOD_GPU_OPERATIONS=NCCL); fi
       env "${build_env[@]}" "$py" -m pip --disable-pip-version-check wheel \
         --no-build-isolation --no-deps --no-binary horovod --no-cache-dir \
-        -w "$wheel_dir" "horovod==$horovod_version" >"$cache/build/horovod-build.log" 2>&1 || {
+        -w "$wheel_dir" "$source_dir" >"$cache/build/horovod-build.log" 2>&1 || {
           tail -n 40 "$cache/build/horovod-build.log" >&2
           echo "install.sh: the Horovod build failed; full log: $cache/build/horovod-build.log" >&2
           exit 1
@@ -138,6 +148,7 @@ PY
     say "installing Horovod from $wheel_dir"
     pip install --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
     pip install cloudpickle psutil pyyaml packaging cffi
+    echo "$flavour" >"$installed_flavour"
     horovod_ok || { echo "install.sh: Horovod installed but does not import with Gloo${with_mpi:+/MPI}" >&2; exit 1; }
   fi
 

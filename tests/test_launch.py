@@ -192,3 +192,31 @@ def test_the_compiler_wrapper_builds_horovod_s_code_as_cxx17_with_the_headers_it
     linked = subprocess.run(["sh", wrapper, "-shared", "group_table.o", "-o", "libgroup.so"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=120)
     assert linked.returncode == 0, linked.stderr
+
+
+UNFIXED = ("  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
+           "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;\n")
+
+
+@pytest.mark.parametrize("source, fixed", [(UNFIXED, True), ("  auto dev = CreateDevice(attr);\n", False)],
+                         ids=["0.28.1", "another-source"])
+def test_horovod_s_source_gets_its_fix_or_the_build_stops(source, fixed, tmp_path):
+    """The process set's Gloo context takes the global context's interface (launch/horovod-source.sh); a
+    source whose code differs stops the build with one line instead of building unfixed."""
+    import tarfile
+
+    folder = tmp_path / "horovod-0.28.1" / "horovod" / "common" / "gloo"
+    folder.mkdir(parents=True)
+    (folder / "gloo_context.cc").write_text(f"void InitializeForProcessSet() {{\n{source}}}\n")
+    with tarfile.open(tmp_path / "horovod-0.28.1.tar.gz", "w:gz") as sdist:
+        sdist.add(tmp_path / "horovod-0.28.1", arcname="horovod-0.28.1")
+    done = subprocess.run(["bash", str(ROOT / "launch" / "horovod-source.sh"), "python3", "", str(tmp_path / "out"),
+                           str(tmp_path / "horovod-0.28.1.tar.gz")], capture_output=True, text=True)
+    written = (tmp_path / "out" / "horovod-0.28.1" / "horovod" / "common" / "gloo" / "gloo_context.cc").read_text()
+    if fixed:
+        assert_ok(done)
+        assert done.stdout.strip() == str(tmp_path / "out" / "horovod-0.28.1")
+        assert written.count("gloo_iface_ = global_context.gloo_iface_;\n  attr device_attr;") == 1
+    else:
+        assert done.returncode != 0 and "is not the source this fix was written for" in done.stderr
+        assert "global_context.gloo_iface_" not in written
