@@ -10,8 +10,8 @@ namespace by `torchrun --nnodes 2` (the torch engine) or, over SSH, by `horovodr
 machine's name resolves to a loopback address in both (as Debian's /etc/hosts has it on many
 clusters): horovodrun's choice of interface must hold throughout (launch/horovod-source.sh).
 
-The comm-heavy job: an MLP of 25 M parameters (100 MB of fp32 gradients a step), batch 32 a rank,
-one thread a rank. Samples/s (the epochs after the first) of fp32, fp16, bf16 and PowerSGD, each
+The comm-heavy job: an MLP of 25 M parameters (100 MB of fp32 gradients a step) on digits, batch 32
+a rank, one thread a rank. Samples/s (the epochs after the first) of fp32, fp16, bf16 and PowerSGD, each
 against the no-communication ceiling (one rank alone, in one namespace, twice its rate), and each
 one's validation accuracy after the same epochs.
 """
@@ -45,9 +45,11 @@ COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 
 def comm_heavy(input_shape, num_classes):
     """The job's model: 4 linear layers of WIDTH, then a head."""
+    import math
+
     from torch import nn
 
-    layers: list[nn.Module] = [nn.Flatten(), nn.Linear(input_shape[0], WIDTH), nn.ReLU()]
+    layers: list[nn.Module] = [nn.Flatten(), nn.Linear(math.prod(input_shape), WIDTH), nn.ReLU()]
     for _ in range(2):
         layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
     return nn.Sequential(*layers, nn.Linear(WIDTH, num_classes))
@@ -159,8 +161,8 @@ def horovodrun_on_two_hosts(hosts: list[list[str]], key: Path, fit_args: list[st
 
 
 def job_args(run_dir: Path, epochs: int, compression: str) -> list[str]:
-    return ["--model", "benchmarks.two_hosts:comm_heavy", "--data", "random", "--set", "data.features=64",
-            "--set", "data.samples=2000", "--batch-size", "32", "--epochs", str(epochs), "--threads", "1",
+    return ["--model", "benchmarks.two_hosts:comm_heavy", "--data", "digits", "--batch-size", "32",
+            "--epochs", str(epochs), "--threads", "1",
             "--optimizer", "sgd", "--lr", "0.01", "--no-scale-lr", "--progress", "off", "--no-tensorboard",
             "--compression", compression, "--run-dir", str(run_dir), "--overwrite"]
 
