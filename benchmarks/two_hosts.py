@@ -96,7 +96,8 @@ def throttled_hosts(rate: str) -> Iterator[list[list[str]]]:
         yield [["ip", "netns", "exec", name] for name in names]
     finally:
         for name in made:
-            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)  # and the link's ends in it
+        subprocess.run(["ip", "link", "delete", f"hv{os.getpid()}a"], capture_output=True)  # still here if set-up failed
 
 
 def torchrun_on_two_hosts(hosts: list[list[str]], fit_args: list[str], env: dict[str, str],
@@ -148,7 +149,11 @@ def ssh_daemons(hosts: list[list[str]], keys: Path, port: int = 2222) -> Iterato
     finally:
         for daemon in daemons:
             daemon.terminate()
-            daemon.wait(timeout=10)
+        for daemon in daemons:
+            try:
+                daemon.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
 
 
 def horovodrun_on_two_hosts(hosts: list[list[str]], key: Path, fit_args: list[str], env: dict[str, str],

@@ -1,6 +1,10 @@
 """Every bad input: one clear line, exit status 2, no traceback, nothing overwritten."""
 
 import hashlib
+import json
+import os
+import socket
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -160,8 +164,12 @@ def test_resume_auto_starts_afresh_where_a_run_was_killed_before_its_first_check
     them (it is removed only when the job ends): they are the run's, and `--resume auto` begins again."""
     (tmp_path / "config.yaml").write_text("train:\n  epochs: 2\n")
     (tmp_path / "metrics.jsonl").write_text("")
-    (tmp_path / "where.json").write_text('{"host": "localhost", "port": 1, "token": "x", "pid": 1}')
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # rank 0 of the killed job: a process of this host that no longer runs
+    (tmp_path / "where.json").write_text(json.dumps({"host": socket.gethostname(), "port": 1, "token": "x",
+                                                     "pid": gone.pid}))
     (tmp_path / ".where.json.4242").write_text("{")
+    (tmp_path / ".summary.json.x1y2.tmp").write_text("{")  # killed inside an atomic write
     (tmp_path / "where").mkdir()
     (tmp_path / "mlflow_run_id").write_text("0123")
     main(["fit", "--engine", "local", "--data", "random", "--set", "data.samples=64", "--batch-size", "16",
@@ -169,6 +177,19 @@ def test_resume_auto_starts_afresh_where_a_run_was_killed_before_its_first_check
     assert "error" not in capsys.readouterr().err
     assert (tmp_path / "summary.json").is_file() and not (tmp_path / "where.json").exists()
     assert not (tmp_path / "mlflow_run_id").exists()  # the killed run's MLflow run is not continued
+
+
+def test_resume_auto_leaves_a_job_that_still_runs_there_alone(tmp_path, capsys):
+    """Its where.json names a live process of this host (here: this test's own): refused, nothing removed."""
+    (tmp_path / "config.yaml").write_text("train:\n  epochs: 2\n")
+    (tmp_path / "where.json").write_text(json.dumps({"host": socket.gethostname(), "port": 1, "token": "x",
+                                                     "pid": os.getpid()}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--engine", "local", "--run-dir", str(tmp_path), "--resume", "auto"])
+    assert exit_info.value.code == 2
+    assert f"--resume auto: a job is still running in '{tmp_path}' (rank 0 is process {os.getpid()} on " \
+           f"{socket.gethostname()}) and has written no checkpoint yet" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "where.json"]
 
 
 @pytest.mark.parametrize("with_config", [False, True], ids=["other-files", "a-config-yaml-among-them"])

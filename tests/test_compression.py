@@ -103,6 +103,51 @@ def test_powersgd_sends_factors_of_matrices_and_small_tensors_whole():
     assert compressed_rank(weight, 100) == 0  # factors of rank 12 are no smaller than the matrix
 
 
+class _Alone:
+    """Collectives of one rank: what is sent is what comes back."""
+
+    rank, size = 0, 1
+
+    def all_to_all(self, flat, name):
+        return flat
+
+    def all_gather(self, segment, name):
+        return segment
+
+    def wait(self, handle):
+        return handle
+
+
+def test_a_skipped_step_or_an_unused_matrix_leaves_powersgd_s_state_as_it_was():
+    """An overflow (its step is skipped) must not fold an inf into the errors or the factors, and a
+    matrix no rank computed keeps no gradient and its state; the next finite step goes on from there."""
+    from hvdtrain.engine.powersgd import PowerSGD
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(16, 8)), torch.nn.Parameter(torch.zeros(16))]
+    powersgd = PowerSGD(params, _Alone(), 2, seed=0, loss_scale=lambda: 1024.0)
+
+    def state():
+        return [t.clone() for t in (*powersgd.errors.values(), *powersgd.factors.values())]
+
+    for param in params:
+        param.grad = torch.randn_like(param) * 1024
+    powersgd.wait()
+    before = state()
+    assert before[0].abs().sum() > 0  # rank 2 of an 8-column matrix leaves something out
+    params[0].grad, params[1].grad = torch.full((16, 8), float("inf")), torch.randn(16)
+    powersgd.wait()
+    assert not params[0].grad.isfinite().all()  # so the step is skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, state()))
+    params[0].grad, params[1].grad = None, torch.randn(16)
+    powersgd.wait()
+    assert params[0].grad is None and all(torch.equal(a, b) for a, b in zip(before, state()))
+    for param in params:
+        param.grad = torch.randn_like(param) * 1024
+    powersgd.wait()
+    assert not all(torch.equal(a, b) for a, b in zip(before, state()))
+
+
 @pytest.mark.multiprocess
 @requires_launchers
 @pytest.mark.timeout(900)

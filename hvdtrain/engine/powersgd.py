@@ -58,7 +58,7 @@ class PowerSGD:
         self.ranks = [compressed_rank(p, rank) for p in params]
         self.matrices = [i for i, r in enumerate(self.ranks) if r]
         self.whole = [i for i, r in enumerate(self.ranks) if not r]
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + _FACTOR_SEED)
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + _FACTOR_SEED) % 2**63)
         self.factors = {i: torch.randn(params[i][0].numel(), self.ranks[i], generator=generator)
                         .to(params[i].device) for i in self.matrices}
         self.errors = {i: torch.zeros(params[i].shape[0], params[i][0].numel(), device=params[i].device)

@@ -47,7 +47,10 @@ def start_reduce_scatter(comm: SegmentCollectives, flat: torch.Tensor, name: str
 def finish_reduce_scatter(comm: SegmentCollectives, handle: Any, wire: torch.dtype) -> torch.Tensor:
     """This rank's segment of the sum (fp32), added up in rank order on every engine alike."""
     received = comm.wait(handle).view(wire).view(comm.size, -1)
-    return received.float().sum(0)  # dist: the sum over ranks
+    total = received[0].float()
+    for part in received[1:]:  # dist: the sum over ranks, one rank after another: the same for every
+        total += part          # element wherever it sits (a tensor's sum(0) is not, from 5 ranks on)
+    return total
 
 
 def start_all_gather(comm: SegmentCollectives, segment: torch.Tensor, name: str, wire: torch.dtype) -> Any:

@@ -74,8 +74,8 @@ class WatchedEngine(Engine):
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                        sync: GradientSync) -> torch.optim.Optimizer:
-        if not sync.shard and sync.compression not in ("bf16", "powersgd"):
-            return self._wrap_optimizer(optimizer, model, sync)
+        if not sync.shard and (sync.compression not in ("bf16", "powersgd") or self.size == 1):
+            return self._wrap_optimizer(optimizer, model, sync)  # one process: nothing sent, nothing compressed
         # In the model's order (backward's, reversed), not the optimizer's (AdamW's groups list the matrices,
         # then the biases): buckets then fill as backward goes and start early; plan deals out the same.
         order = {param: index for index, param in enumerate(model.parameters())}

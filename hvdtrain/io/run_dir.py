@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -75,6 +77,10 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[Path, bool]:
             raise UserError(f"--resume auto: '{path}' has no checkpoint to resume and holds files that are not a "
                             f"run's ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): choose another "
                             "--run-dir")
+        running = _running_job(path)
+        if running:
+            raise UserError(f"--resume auto: a job is still running in '{path}' ({running}) and has written no "
+                            "checkpoint yet: stop it first, or choose another --run-dir")
         # a run stopped before its first checkpoint (or never started): its own files only, replaced
     elif cfg.resume:
         if not has_checkpoints:
@@ -92,8 +98,27 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[Path, bool]:
 
 
 RUN_FILES = ("config.yaml", METRICS, "summary.json", TIMELINE, CHECKPOINTS, "events.out.tfevents.*", WHERE_FILE,
-             f".{WHERE_FILE}.*", WHERE_FOLDER, RUN_ID_FILE)
+             f".{WHERE_FILE}.*", WHERE_FOLDER, RUN_ID_FILE, ".*.tmp")
 """What `fit` may leave in a run directory before its first checkpoint (killed at any moment)."""
+
+
+def _running_job(path: Path) -> str:
+    """Rank 0 of the job whose `where.json` is in `path`, where it still runs on this host; "" otherwise
+    (one killed leaves the file behind; one on another host cannot be asked from here)."""
+    try:
+        facts = json.loads((path / WHERE_FILE).read_text())
+        pid, host = int(facts["pid"]), str(facts["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    if host != socket.gethostname():
+        return ""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return ""
+    except PermissionError:  # alive, another user's
+        pass
+    return f"rank 0 is process {pid} on {host}"
 
 
 def _is_run_file(entry: Path) -> bool:

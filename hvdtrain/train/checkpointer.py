@@ -222,7 +222,8 @@ def _powersgd_state(state: dict[str, Any], engine: Engine) -> dict[str, Any] | N
     if engine.powersgd is None or (saved is not None and engine.powersgd.fits(saved)):
         return saved
     if saved is None:
-        why = f"the checkpoint was written with --compression {state['config'].get('train', {}).get('compression')}"
+        written = state.get("config", {}).get("train", {}).get("compression", "none")
+        why = f"the checkpoint holds none (its run: --compression {written} on {state.get('world_size', 1)} process(es))"
     elif saved.get("world_size") != engine.size:
         why = f"the checkpoint was written by {saved.get('world_size')} processes and this run has {engine.size}"
     else:
