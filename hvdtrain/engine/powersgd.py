@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from hvdtrain.engine.buckets import grads_with_flags
 from hvdtrain.engine.segments import SegmentCollectives, sum_in_rank_order
 
 # Factors start as random matrices drawn from this (and train.seed): the same on every rank.
@@ -66,13 +67,12 @@ class PowerSGD:
 
     def wait(self) -> None:
         params, scale = self.params, self.loss_scale()
-        used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        grads, used = grads_with_flags(params)  # flattened
         # dist: errors are kept unscaled; the gradients carry this step's loss scale
-        full = {i: torch.add(grads[i].reshape(grads[i].shape[0], -1).float(), self.errors[i], alpha=scale)
+        full = {i: torch.add(grads[i].view(params[i].shape[0], -1).float(), self.errors[i], alpha=scale)
                 for i in self.matrices}
         first = torch.cat([*((full[i] @ self.factors[i]).reshape(-1) for i in self.matrices),
-                           *(grads[i].reshape(-1).float() for i in self.whole), used])
+                           *(grads[i].float() for i in self.whole), used.float()])
         summed = sum_in_rank_order(self.comm, first, "hvdtrain.powersgd.p") / self.size  # dist
         offset, left = 0, {}
         for i in self.matrices:

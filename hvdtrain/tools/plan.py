@@ -62,8 +62,10 @@ def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     lr = learning_rate(config, steps)
     val = [EvalShardSampler(n_val, batch, r, size) for r in range(size)]
     first = [next(iter(s), []) for s in samplers]
-    params: list[torch.nn.Parameter] = []
-    memory = memory_per_rank(config, split, task, size, params)
+    model = ModelShapes(split.input_shape, split.num_classes,
+                        task.num_outputs(split.num_classes, split.target_shape)).build(config.model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    memory = memory_per_rank(config, model, size)
     return {
         "world_size": size, "data": config.data.name, "task": task.name, "train_samples": n_train,
         "val_samples": n_val, "epochs": config.train.epochs,
@@ -97,13 +99,10 @@ def sent_per_step(parameter_bytes: int, size: int, sharded: bool, powersgd_bytes
     return sent if sharded else {**sent, "powersgd": int(2 * share * powersgd_bytes)}
 
 
-def memory_per_rank(config: Config, split: Any, task: Any, size: int,
-                    params: list[torch.nn.Parameter]) -> list[dict[str, int]]:
-    """What each rank holds, in bytes: the model built as fit builds it (its trainable parameters added to
-    `params`), and its optimizer's state measured after one step on zero gradients (any optimizer, a user's too)."""
-    model = ModelShapes(split.input_shape, split.num_classes,
-                        task.num_outputs(split.num_classes, split.target_shape)).build(config.model)
-    params += [p for p in model.parameters() if p.requires_grad]
+def memory_per_rank(config: Config, model: torch.nn.Module, size: int) -> list[dict[str, int]]:
+    """What each rank holds, in bytes: `model` (built as fit builds it), and its optimizer's state measured
+    after one step on zero gradients (any optimizer, a user's too)."""
+    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, model)
     for param in params:
         param.grad = torch.zeros_like(param)
