@@ -25,9 +25,10 @@ done
 # The GPU image has torch (CUDA 13), nvidia-nccl-cu13, mpi4py, nvcc, cmake and ninja, and every one
 # of hvdtrain's own dependencies (click, PyYAML, tqdm, numpy, scikit-learn, TensorBoard, safetensors,
 # matplotlib, psutil, cloudpickle). What it may lack travels: Horovod's build needs setuptools < 81
-# (its build and its runner use distutils, which Python 3.12 has only through setuptools) and wheel,
+# (its build and its runner use distutils, which Python 3.12 has only through setuptools) and at
+# least 70 (older ones use pkgutil.ImpImporter, which Python 3.12 removed), and wheel,
 # its runtime packaging; the gpu tests pytest and pytest-timeout (pyproject's `timeout`).
-carried=("setuptools<81" wheel packaging cffi pycparser pytest pluggy iniconfig pytest-timeout)
+carried=("setuptools>=70,<81" wheel packaging cffi pycparser pytest pluggy iniconfig pytest-timeout)
 
 say() { printf '[gpu-kit] %s\n' "$*"; }
 pip() { "$python" -m pip --disable-pip-version-check -q "$@"; }

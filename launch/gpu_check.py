@@ -77,12 +77,16 @@ def steps(check: Check) -> list[tuple[str, tuple[str, ...], Callable[[], Outcome
         *[(name, gpu, lambda name=name, args=args: fitted(check, name, [*GPU_FIT, *args])) for name, args in FITS.items()],
         ("torchrun-np1", gpu, lambda: fitted(check, "torchrun-np1", [*GPU_FIT, "--precision", "bf16"], [*TORCHRUN, "1"],
                                              controller="nccl")),
+        ("torchrun-np1-sharded", gpu, lambda: sharded(check, "torchrun-np1-sharded", "torchrun-np1", [*TORCHRUN, "1"],
+                                                      "nccl")),
         ("torchrun-np2-one-gpu", gpu, lambda: two_on_one(check, "torchrun-np2-one-gpu", [*TORCHRUN, "2"])),
         ("resume", gpu, lambda: resume(check)),
         ("horovod-build", ("install",), lambda: horovod_build(check)),
         ("doctor", ("install",), lambda: doctor(check, "doctor", [])),
         ("horovodrun-doctor", ("install", "horovod"), lambda: doctor(check, "horovodrun-doctor", [*HOROVODRUN, "1"])),
         ("horovodrun-np1", horovod, lambda: horovod_fit(check)),
+        ("horovodrun-np1-sharded", horovod, lambda: sharded(check, "horovodrun-np1-sharded", "horovodrun-np1",
+                                                               [*HOROVODRUN, "1"], "gloo")),
         ("throughput", gpu, lambda: throughput(check)),
         ("horovodrun-np2-one-gpu", horovod, lambda: two_on_one(check, "horovodrun-np2-one-gpu", [*HOROVODRUN, "2"])),
     ]
@@ -155,6 +159,26 @@ def fitted(check: Check, name: str, args: list[str], launcher: list[str] | None 
             f"{summary['engine']} engine, controller {summary['controller']}, "
             f"{summary['train_samples_per_s']:,.0f} samples/s, {ran.seconds:.0f} s in all")
     return ("fail" if wrong else "pass"), "; ".join([*wrong, seen]), ran
+
+
+def sharded(check: Check, name: str, unsharded: str, launcher: list[str], controller: str) -> Outcome:
+    """`--shard-optimizer` on the GPU: its reduce-scatter and all-gather run even at one process (on NCCL
+    for either engine), and it must end with the weights of the unsharded run `unsharded`."""
+    status, seen, ran = fitted(check, name, [*GPU_FIT, "--precision", "bf16", "--shard-optimizer"], launcher,
+                               controller=controller)
+    baseline = check.runs / unsharded / "checkpoints" / "last.pt"
+    if status != "pass":
+        return status, seen, ran
+    if not baseline.exists():
+        return "fail", f"no {unsharded} run to compare with; {seen}", ran
+    diff = check.run(name, [str(check.venv / "bin" / "python"), "-c", SAME_WEIGHTS, str(baseline),
+                            str(check.runs / name / "checkpoints" / "last.pt")], 60)
+    same = last_line(diff.output)
+    try:
+        ok = diff.rc == 0 and float(same) <= 1e-6
+    except ValueError:  # "different keys", or an error
+        ok = False
+    return ("pass" if ok else "fail"), f"max |weight difference| from {unsharded}: {same}; {seen}", joined([ran, diff])
 
 
 def two_on_one(check: Check, name: str, launcher: list[str]) -> Outcome:

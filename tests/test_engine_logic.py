@@ -141,3 +141,28 @@ def test_a_later_horovod_start_follows_its_own_settings_and_the_user_s_still_win
     horovod._set_ours("HOROVOD_TIMELINE", None)
     assert [os.environ.get(n) for n in ("HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
                                         "HOROVOD_TIMELINE")] == ["1215", "999", None]
+
+
+def test_sharded_collectives_run_on_a_torch_without_2_13_s_names(monkeypatch, tmp_path):
+    """A GPU image's torch 2.11 has reduce_scatter_tensor and all_gather_into_tensor, not the names torch
+    2.13 gave them (reduce_scatter_single, all_gather_single): --shard-optimizer failed at its first step
+    there. With the new names gone, the torch engine's segments take the old ones, on a real group."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from hvdtrain.engine.torch_distributed import _TorchSegments
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        monkeypatch.delattr(dist, "reduce_scatter_single")
+        monkeypatch.delattr(dist, "all_gather_single")
+        segments = _TorchSegments(SimpleNamespace(rank=0, size=1, allreduce_sum=None))
+        flat = torch.arange(6, dtype=torch.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the old names are deprecated in 2.13
+            received = segments.wait(segments.reduce_scatter(flat, "grads"))
+            gathered = segments.wait(segments.all_gather(received * 2, "params"))
+        assert torch.equal(received, flat) and torch.equal(gathered, flat * 2)
+    finally:
+        dist.destroy_process_group()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -207,6 +207,16 @@ class _StoreBoard:
             return None
 
 
+def _reduce_scatter_single() -> Callable[..., Any]:
+    """torch 2.13's name; earlier releases (a GPU image's torch 2.11) have only the name it deprecates."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_single() -> Callable[..., Any]:
+    """As _reduce_scatter_single: all_gather_single from torch 2.13, all_gather_into_tensor before."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class _TorchSegments:
     """Collectives over equal segments on torch.distributed (Gloo or NCCL)."""
 
@@ -215,11 +225,11 @@ class _TorchSegments:
 
     def reduce_scatter(self, flat: torch.Tensor, name: str) -> Any:
         received = flat.new_empty(flat.numel() // self.size)
-        return dist.reduce_scatter_single(received, flat, async_op=True), received
+        return _reduce_scatter_single()(received, flat, async_op=True), received
 
     def all_gather(self, segment: torch.Tensor, name: str) -> Any:
         gathered = segment.new_empty(segment.numel() * self.size)
-        return dist.all_gather_single(gathered, segment, async_op=True), gathered
+        return _all_gather_single()(gathered, segment, async_op=True), gathered
 
     def all_to_all(self, flat: torch.Tensor, name: str) -> Any:
         received = torch.empty_like(flat)
