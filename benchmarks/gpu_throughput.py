@@ -4,6 +4,7 @@ one process. launch/gpu-check.sh runs it on the GPU machine.
 
     python benchmarks/gpu_throughput.py --json throughput.json
     python benchmarks/gpu_throughput.py --device cpu --image-size 32 --batch 8 --steps 4   # a smoke run
+    python benchmarks/gpu_throughput.py --launcher "horovodrun --gloo -np 1"   # fit under a launcher
 
 Both train on the same images held in host memory. `hvdtrain fit` runs 2 epochs of `--steps` steps
 and reports its second (the first warms up); the plain loop takes contiguous batches from pinned
@@ -41,6 +42,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="Steps per epoch (hvdtrain) and timed steps (plain).")
     parser.add_argument("--precisions", default="32,bf16")
     parser.add_argument("--json", help="Write the result here.")
+    parser.add_argument("--launcher", default="", help="Start fit under this launcher (its engine), e.g. "
+                        "'torchrun --nproc-per-node 1'; by default alone (the local engine).")
     parser.add_argument("--plain", help=argparse.SUPPRESS)  # a precision: run the plain loop here, print JSON
     args = parser.parse_args()
     os.environ.update(BENCH_IMAGE_SIZE=str(args.image_size), BENCH_TRAIN_SAMPLES=str(args.steps * args.batch),
@@ -72,7 +75,7 @@ def compare(args: argparse.Namespace) -> dict:
             row[f"mfu_{name}"] = rate * facts["flops_per_sample"] / (peak * 1e12) if peak and rate else None
         rows.append(row)
     return {"model": "ResNet-50 layout (benchmarks/resnet.py)", "batch": args.batch, "image_size": args.image_size,
-            "steps": args.steps, "channels_last": True, "device": args.device, **facts, "rows": rows}
+            "steps": args.steps, "launcher": args.launcher or None, "channels_last": True, "device": args.device, **facts, "rows": rows}
 
 
 def _peak(device_name: str, precision: str, tf32: bool) -> float | None:
@@ -93,7 +96,7 @@ def hvdtrain_fit(precision: str, args: argparse.Namespace) -> float:
     """Samples/s of `hvdtrain fit`'s second epoch."""
     with tempfile.TemporaryDirectory() as scratch:
         run_dir = str(Path(scratch) / "run")
-        command = ["hvdtrain", "fit", "--model", "benchmarks.resnet:resnet50", "--data", "benchmarks.resnet:synthetic_images",
+        command = [*args.launcher.split(), "hvdtrain", "fit", "--model", "benchmarks.resnet:resnet50", "--data", "benchmarks.resnet:synthetic_images",
                    "--set", "data.num_classes=1000", "--batch-size", str(args.batch), "--epochs", "2",
                    "--precision", precision, "--channels-last", "--device", args.device, "--lr", str(LR), "--no-scale-lr",
                    "--progress", "off", "--no-tensorboard", "--run-dir", run_dir]

@@ -167,7 +167,7 @@ class HorovodEngine(WatchedEngine):
         return hvd.DistributedOptimizer(
             optimizer,
             named_parameters=model.named_parameters(),
-            compression=compression,
+            compression=_Contiguous(compression),
             backward_passes_per_step=sync.accumulate,
             op=hvd.Adasum if sync.adasum else hvd.Average,
             # dist: fp16 on the wire divides by the world size before the sum, not after it: a sum of
@@ -200,7 +200,13 @@ class HorovodEngine(WatchedEngine):
         return _HorovodSegments(self)
 
     def _broadcast_parameters(self, model: torch.nn.Module) -> None:
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        # Horovod sends contiguous tensors only; a channels-last model's 4-D weights are not.
+        state = model.state_dict()
+        sent = {name: tensor.contiguous() for name, tensor in state.items()}
+        hvd.broadcast_parameters(sent, root_rank=0)
+        for name, tensor in state.items():
+            if sent[name] is not tensor:
+                tensor.copy_(sent[name])
 
     def _broadcast_object(self, obj: Any, name: str) -> Any:
         return hvd.broadcast_object(obj, root_rank=0, name=name)
@@ -251,6 +257,21 @@ class HorovodEngine(WatchedEngine):
 
     def _shutdown(self, finished: bool) -> None:
         hvd.shutdown()
+
+
+class _Contiguous:
+    """A Horovod compression that sends a contiguous copy of a gradient that is not (a channels-last
+    model's 4-D gradients): Horovod's allreduce refuses any other. Horovod then sets the gradient to
+    the averaged copy; the optimizer's arithmetic does not depend on a tensor's memory layout."""
+
+    def __init__(self, compression: Any):
+        self.compression = compression
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return self.compression.compress(tensor.contiguous())
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return self.compression.decompress(tensor, ctx)
 
 
 class _HorovodSegments:
