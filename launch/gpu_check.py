@@ -56,6 +56,8 @@ FITS = {  # the README's GPU flags, one run each, alone (the local engine)
     "fit-channels-last": ["--precision", "bf16", "--channels-last"],
     "fit-compile": ["--precision", "bf16", "--compile"],
 }
+# Under a launcher: channels-last too (Horovod's collectives once refused its non-contiguous tensors).
+LAUNCHED_FIT = [*GPU_FIT, "--precision", "bf16", "--channels-last"]
 TORCHRUN, HOROVODRUN = ["torchrun", "--nproc-per-node"], ["horovodrun", "--gloo", "-np"]
 # tests/user_code.py's model that sends itself SIGTERM in its 30th training step (epoch 2 of 3, 25 steps each).
 RESUME = ["--data", "random", "--set", "data.samples=2000", "--set", "data.features=12", "--epochs", "3",
@@ -75,7 +77,7 @@ def steps(check: Check) -> list[tuple[str, tuple[str, ...], Callable[[], Outcome
         ("install", (), lambda: install(check)),
         ("gpu-tests", gpu, lambda: gpu_tests(check)),
         *[(name, gpu, lambda name=name, args=args: fitted(check, name, [*GPU_FIT, *args])) for name, args in FITS.items()],
-        ("torchrun-np1", gpu, lambda: fitted(check, "torchrun-np1", [*GPU_FIT, "--precision", "bf16"], [*TORCHRUN, "1"],
+        ("torchrun-np1", gpu, lambda: fitted(check, "torchrun-np1", LAUNCHED_FIT, [*TORCHRUN, "1"],
                                              controller="nccl")),
         ("torchrun-np1-sharded", gpu, lambda: sharded(check, "torchrun-np1-sharded", "torchrun-np1", [*TORCHRUN, "1"],
                                                       "nccl")),
@@ -164,7 +166,7 @@ def fitted(check: Check, name: str, args: list[str], launcher: list[str] | None 
 def sharded(check: Check, name: str, unsharded: str, launcher: list[str], controller: str) -> Outcome:
     """`--shard-optimizer` on the GPU: its reduce-scatter and all-gather run even at one process (on NCCL
     for either engine), and it must end with the weights of the unsharded run `unsharded`."""
-    status, seen, ran = fitted(check, name, [*GPU_FIT, "--precision", "bf16", "--shard-optimizer"], launcher,
+    status, seen, ran = fitted(check, name, [*LAUNCHED_FIT, "--shard-optimizer"], launcher,
                                controller=controller)
     baseline = check.runs / unsharded / "checkpoints" / "last.pt"
     if status != "pass":
@@ -244,7 +246,7 @@ def doctor(check: Check, name: str, launcher: list[str]) -> Outcome:
 
 def horovod_fit(check: Check) -> Outcome:
     """horovodrun --gloo -np 1 on the GPU: Horovod's timeline must show its NCCL allreduce."""
-    status, seen, ran = fitted(check, "horovodrun-np1", [*GPU_FIT, "--precision", "bf16", "--horovod-timeline"],
+    status, seen, ran = fitted(check, "horovodrun-np1", [*LAUNCHED_FIT, "--horovod-timeline"],
                                [*HOROVODRUN, "1"], controller="gloo")
     timeline = check.runs / "horovodrun-np1" / "horovod-timeline.json"
     nccl = timeline.exists() and "NCCL_ALLREDUCE" in timeline.read_text()
