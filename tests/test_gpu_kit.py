@@ -52,7 +52,8 @@ def test_the_kit_holds_horovod_s_source_and_pinned_wheels_within_what_can_travel
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert f"hvdtrain=={version}" in requirements and all("==" in line for line in requirements)
     assert {"setuptools", "cffi", "pycparser", "pytest", "pytest_timeout"} <= {line.split("==")[0] for line in requirements}
-    assert int((kit / "requirements.txt").read_text().split("setuptools==")[1].split(".")[0]) < 81
+    # < 81: Horovod's build needs distutils; >= 70: older ones call pkgutil.ImpImporter, gone in Python 3.12
+    assert 70 <= int((kit / "requirements.txt").read_text().split("setuptools==")[1].split(".")[0]) < 81
     # Horovod's build needs cffi, a binary wheel: one for the GPU image's Python 3.12, one for this Python.
     tags = {f"cp{sys.version_info[0]}{sys.version_info[1]}", "cp312"}
     assert {path.name.split("-")[2] for path in (kit / "wheels").glob("cffi-*.whl")} == tags
