@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -96,7 +97,7 @@ def hvdtrain_fit(precision: str, args: argparse.Namespace) -> float:
     """Samples/s of `hvdtrain fit`'s second epoch."""
     with tempfile.TemporaryDirectory() as scratch:
         run_dir = str(Path(scratch) / "run")
-        command = [*args.launcher.split(), "hvdtrain", "fit", "--model", "benchmarks.resnet:resnet50", "--data", "benchmarks.resnet:synthetic_images",
+        command = [*shlex.split(args.launcher), "hvdtrain", "fit", "--model", "benchmarks.resnet:resnet50", "--data", "benchmarks.resnet:synthetic_images",
                    "--set", "data.num_classes=1000", "--batch-size", str(args.batch), "--epochs", "2",
                    "--precision", precision, "--channels-last", "--device", args.device, "--lr", str(LR), "--no-scale-lr",
                    "--progress", "off", "--no-tensorboard", "--run-dir", run_dir]

@@ -686,6 +686,11 @@ def two_groups(model, lr):
     return torch.optim.SGD([{"params": body, "lr": lr}, {"params": head, "lr": lr / 10}], lr=lr, momentum=0.9)
 
 
+def fused_adamw(model, lr):
+    """AdamW's fused kernel: it needs each gradient in its parameter's memory layout (channels-last too)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+
+
 def not_an_optimizer(model):
     return [model]
 

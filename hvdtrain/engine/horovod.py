@@ -260,18 +260,25 @@ class HorovodEngine(WatchedEngine):
 
 
 class _Contiguous:
-    """A Horovod compression that sends a contiguous copy of a gradient that is not (a channels-last
-    model's 4-D gradients): Horovod's allreduce refuses any other. Horovod then sets the gradient to
-    the averaged copy; the optimizer's arithmetic does not depend on a tensor's memory layout."""
+    """A Horovod compression that sends a contiguous copy of a tensor that is not (a channels-last model's
+    4-D gradients): Horovod's collectives refuse any other. The result comes back in the tensor's own
+    memory layout, which Horovod then makes the gradient's: a fused optimizer needs it to match the
+    parameter's."""
 
     def __init__(self, compression: Any):
         self.compression = compression
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return self.compression.compress(tensor.contiguous())
+        if tensor.is_contiguous():  # Horovod's in-place allreduce, as without this wrapper
+            compressed, ctx = self.compression.compress(tensor)
+            return compressed, (ctx, None)
+        compressed, ctx = self.compression.compress(tensor.contiguous())
+        return compressed, (ctx, tensor)
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return self.compression.decompress(tensor, ctx)
+        inner, original = ctx
+        result = self.compression.decompress(tensor, inner)
+        return result if original is None else torch.empty_like(original).copy_(result)
 
 
 class _HorovodSegments:
