@@ -200,13 +200,13 @@ class HorovodEngine(WatchedEngine):
         return _HorovodSegments(self)
 
     def _broadcast_parameters(self, model: torch.nn.Module) -> None:
-        # Horovod sends contiguous tensors only; a channels-last model's 4-D weights are not.
+        # Horovod sends contiguous tensors only; a channels-last model's 4-D weights are not: each of those
+        # goes on its own, as a contiguous copy (one at a time, not a second copy of the model).
         state = model.state_dict()
-        sent = {name: tensor.contiguous() for name, tensor in state.items()}
-        hvd.broadcast_parameters(sent, root_rank=0)
+        hvd.broadcast_parameters({name: t for name, t in state.items() if t.is_contiguous()}, root_rank=0)
         for name, tensor in state.items():
-            if sent[name] is not tensor:
-                tensor.copy_(sent[name])
+            if not tensor.is_contiguous():
+                tensor.copy_(hvd.broadcast(tensor.contiguous(), root_rank=0, name=f"hvdtrain.parameter.{name}"))
 
     def _broadcast_object(self, obj: Any, name: str) -> Any:
         return hvd.broadcast_object(obj, root_rank=0, name=name)

@@ -3,7 +3,8 @@
     horovodrun --gloo -np 2 python tests/workers/collectives.py OUT_DIR [adasum]
     torchrun --nproc-per-node 2 tests/workers/collectives.py OUT_DIR
 
-- 5 steps on rank-specific data from rank-specific initial weights, averaged (and, given `adasum`,
+- 5 steps on rank-specific data from rank-specific initial weights (a channels-last convolution among
+  them), averaged (and, given `adasum`,
   once more combined with Adasum): each rank saves its parameters before and after the broadcast
   and at the end, to OUT_DIR/rank{R}-{combine}.pt.
 - Each rank gathers its own object to rank 0 and prints what it got.
@@ -18,7 +19,6 @@ from pathlib import Path
 import torch
 
 from hvdtrain.engine import GradientSync, start_engine
-from hvdtrain.models import mlp
 from hvdtrain.train.loop import apply_gradients
 
 STEPS = 5
@@ -26,7 +26,7 @@ STEPS = 5
 
 def ranks_agree(combine: str) -> None:
     torch.manual_seed(100 + engine.rank)  # deliberately different initial weights on each rank
-    model = mlp((6,), 3, hidden=8)
+    model = channels_last_net()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = engine.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
                                        GradientSync(adasum=combine == "adasum"))
@@ -39,6 +39,15 @@ def ranks_agree(combine: str) -> None:
         apply_gradients(model, optimizer, engine, clip_grad_norm=None)
     torch.save({"initial": initial, "broadcast": broadcast, "final": model.state_dict(), "size": engine.size},
                out / f"rank{engine.rank}-{combine}.pt")
+
+
+def channels_last_net() -> torch.nn.Module:
+    """6 inputs, 3 classes, through a convolution whose weight is channels-last and so not contiguous:
+    Horovod's collectives refuse such a tensor unless the engine sends a contiguous copy."""
+    net = torch.nn.Sequential(torch.nn.Unflatten(1, (2, 3, 1)), torch.nn.Conv2d(2, 4, (2, 1)), torch.nn.ReLU(),
+                              torch.nn.Flatten(), torch.nn.Linear(8, 3)).to(memory_format=torch.channels_last)
+    assert not net[1].weight.is_contiguous()
+    return net
 
 
 def gather() -> None:
