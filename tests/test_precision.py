@@ -86,6 +86,14 @@ def test_a_channels_last_model_trains_on_both_engines_sharded_or_not_with_the_sa
                str(tmp_path / name))
     for name in ("horovodrun-gloo", "sharded"):
         assert_same_weights(final_weights(tmp_path / "torchrun"), final_weights(tmp_path / name), atol=0.0)
+    # PowerSGD sets its gradients too: the fused kernel against the same AdamW without it (0.07 apart when the
+    # gradients were contiguous), the one on the Horovod engine, the other on the torch engine.
+    powersgd = [*common, "--compression", "powersgd"]
+    fit_ok("horovodrun-gloo", *powersgd, "--run-dir", str(tmp_path / "powersgd-fused"))
+    fit_ok("torchrun", *[a if a != "user_code:fused_adamw" else "user_code:foreach_adamw" for a in powersgd],
+           "--run-dir", str(tmp_path / "powersgd-foreach"))
+    assert_same_weights(final_weights(tmp_path / "powersgd-fused"), final_weights(tmp_path / "powersgd-foreach"),
+                        atol=1e-6)
 
 
 def test_cuda_without_gpu_is_a_clear_error(monkeypatch):

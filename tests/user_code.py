@@ -691,6 +691,11 @@ def fused_adamw(model, lr):
     return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
 
 
+def foreach_adamw(model, lr):
+    """fused_adamw's arithmetic without its kernel: indifferent to a gradient's memory layout."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+
+
 def not_an_optimizer(model):
     return [model]
 

@@ -87,9 +87,17 @@ def set_gradient(param: torch.nn.Parameter, combined: torch.Tensor, users: float
     if users == 0:
         param.grad = None
     elif param.grad is None:
-        param.grad = combined.view_as(param).clone()
+        param.grad = torch.empty_like(param).copy_(combined.view(param.shape))  # in param's layout, as below
     else:
-        param.grad.copy_(combined.view_as(param))
+        param.grad.copy_(combined.view(param.shape))
+
+
+def as_gradient(values: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+    """`values` (`param`'s elements in logical order) as `param`'s gradient, in `param`'s memory layout: a
+    channels-last weight's fused optimizer step needs its gradient channels-last too, and goes wrong
+    without a word otherwise. Where `param` is contiguous, `values` itself, reshaped (no copy)."""
+    shaped = values.reshape(param.shape)
+    return shaped if param.is_contiguous() else torch.empty_like(param).copy_(shaped)
 
 
 def write_back(bucket: list[torch.nn.Parameter], flat: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from hvdtrain.engine.buckets import grads_with_flags
+from hvdtrain.engine.buckets import as_gradient, grads_with_flags
 from hvdtrain.engine.segments import SegmentCollectives, sum_in_rank_order
 
 # Factors start as random matrices drawn from this (and train.seed): the same on every rank.
@@ -103,7 +103,7 @@ class PowerSGD:
                 self.factors[i] = factor
             averaged[i] = approximation
         for i, param in enumerate(params):
-            param.grad = None if users[i] == 0 else averaged[i].reshape(param.shape).to(param.dtype)
+            param.grad = None if users[i] == 0 else as_gradient(averaged[i].to(param.dtype), param)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's errors and the factors (the same on every rank), on the host, by parameter index."""

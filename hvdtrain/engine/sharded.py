@@ -23,7 +23,8 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from hvdtrain.engine.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, BucketHooks, buckets, grads_with_flags
+from hvdtrain.engine.buckets import (BUCKET_BYTES, FIRST_BUCKET_BYTES, BucketHooks, as_gradient, buckets,
+                                     grads_with_flags)
 from hvdtrain.engine.segments import SegmentCollectives, finish_reduce_scatter, start_reduce_scatter
 
 
@@ -131,7 +132,7 @@ class ShardedGradients:
             offset = 0
             for i, users in zip(mine, flags):
                 param = share.params[i]
-                param.grad = None if users == 0 else _shaped_like(averaged[offset:offset + param.numel()], param)
+                param.grad = None if users == 0 else as_gradient(averaged[offset:offset + param.numel()], param)
                 offset += param.numel()
         self.pending.clear()
         self.hooks.reset()
@@ -195,9 +196,3 @@ class ShardedGradients:
         keep = {index for index, param in enumerate(order) if param in owned}
         return {**state, "state": {k: v for k, v in state.get("state", {}).items() if int(k) in keep}}
 
-
-def _shaped_like(flat: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
-    """`flat` (in `param`'s logical order) as `param`'s gradient: a view where `param` is contiguous, else a
-    copy in `param`'s own memory layout (channels-last): a fused optimizer needs the two to match."""
-    shaped = flat.view(param.shape)
-    return shaped if param.is_contiguous() else torch.empty_like(param).copy_(shaped)
