@@ -6,12 +6,37 @@
 From Python: `hvdtrain.fit(model=..., data=..., task=..., epochs=..., ...)` takes objects as well as
 everything the command takes, and returns the summary; `hvdtrain.launch(fn_or_settings, np=4)` starts
 the processes itself (a notebook); see README.md, "From Python".
+
+The names below load on first use: the `hvdtrain` command imports this package first, and must
+reach its signal handling before anything heavy (hvdtrain.cli).
 """
 
-from hvdtrain.api import evaluate, export, fit, predict
-from hvdtrain.config import Config
-from hvdtrain.errors import UserError
-from hvdtrain.local_launch import LaunchFailed, launch
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hvdtrain.api import evaluate, export, fit, predict
+    from hvdtrain.config import Config
+    from hvdtrain.errors import UserError
+    from hvdtrain.local_launch import LaunchFailed, launch
 
 __all__ = ["Config", "LaunchFailed", "UserError", "__version__", "evaluate", "export", "fit", "launch", "predict"]
 __version__ = "0.1.0"
+
+_HOMES = {"evaluate": "hvdtrain.api", "export": "hvdtrain.api", "fit": "hvdtrain.api", "predict": "hvdtrain.api",
+          "Config": "hvdtrain.config", "UserError": "hvdtrain.errors", "LaunchFailed": "hvdtrain.local_launch",
+          "launch": "hvdtrain.local_launch"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'hvdtrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -100,3 +100,27 @@ def test_the_python_api_gets_its_own_signal_handlers_back_after_fit():
         assert signal.getsignal(signal.SIGUSR1) is mine
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+def test_the_fit_command_holds_the_scheduler_s_warning_before_it_loads_anything_heavy():
+    """Slurm's --signal may reach a task within its first second: `hvdtrain fit` notes SIGUSR1 from its
+    entry point on, before click, the config, YAML or torch load (until then the default kills it); the
+    other commands leave it alone."""
+    spy = (
+        "import sys\n"
+        "from hvdtrain.train import early_signals\n"
+        "held = early_signals.hold\n"
+        "def hold():\n"
+        "    loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('click', 'yaml', 'torch', 'hvdtrain'))\n"
+        "    print('held with', loaded, flush=True)\n"
+        "    held()\n"
+        "early_signals.hold = hold\n"
+        "sys.argv = ['hvdtrain', *sys.argv[1:]]\n"
+        "from hvdtrain.cli import main\n"
+        "main()\n")
+    fit = subprocess.run([sys.executable, "-c", spy, "fit", "--epochs", "none"], capture_output=True, text=True)
+    assert fit.returncode == 2 and "'none' is not a valid integer" in fit.stderr, fit
+    assert fit.stdout.splitlines()[0] == (
+        "held with ['hvdtrain', 'hvdtrain.cli', 'hvdtrain.train', 'hvdtrain.train.early_signals']"), fit
+    shown = subprocess.run([sys.executable, "-c", spy, "config"], capture_output=True, text=True)
+    assert shown.returncode == 0 and "held with" not in shown.stdout and "train:" in shown.stdout, shown

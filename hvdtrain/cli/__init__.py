@@ -3,36 +3,17 @@
     horovodrun -np 4 hvdtrain fit --config run.yaml --epochs 20
     hvdtrain config > run.yaml        # every key, its default and what it does
 
-The click group and the entry point live here; one module per command group (`fit`, `after`,
-`tools`), what they share in `common`, the launcher wrappers in `launchers`. A thin shell: it may
-import anything of hvdtrain, lazily inside a command where the import is heavy (torch, horovod).
+The entry point lives here, and imports next to nothing before `hvdtrain fit` holds a scheduler's
+early signal (`early_signals`): Slurm's warning can come within the first second of a task, and until
+then its default action kills it. The click group is in `commands`, one module per command group
+(`fit`, `after`, `tools`), what they share in `common`, the launcher wrappers in `launchers`. A thin
+shell: it may import anything of hvdtrain, lazily inside a command where the import is heavy.
 """
 
 from __future__ import annotations
 
 import sys
 from typing import Sequence
-
-import click
-
-from hvdtrain.cli import after, fit, tools, where
-from hvdtrain.cli.common import fail, report_and_exit
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="hvdtrain")
-def cli() -> None:
-    """hvdtrain: data-parallel training with Horovod.
-
-    Start one process per GPU or CPU slot with a launcher:
-
-        horovodrun -np 4 hvdtrain fit
-    """
-
-
-for command in (fit.fit, fit.plan, after.evaluate, after.predict, after.export_model, after.plot, after.list_runs,
-                tools.bench, tools.doctor, tools.show_config, where.where):
-    cli.add_command(command)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -42,6 +23,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         from hvdtrain.train import early_signals
 
         early_signals.in_the_command_s_process()
+        if sys.argv[1:2] == ["fit"]:  # before click and the rest of hvdtrain load: fit_from keeps it held
+            early_signals.hold()
     try:
         _main(argv)
     except SystemExit as leaving:
@@ -69,6 +52,11 @@ def _leave_torch_engine(code: int | str | None) -> None:
 
 
 def _main(argv: Sequence[str] | None) -> None:
+    import click
+
+    from hvdtrain.cli.commands import cli
+    from hvdtrain.cli.common import fail, report_and_exit
+
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     try:

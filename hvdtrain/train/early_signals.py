@@ -41,9 +41,10 @@ def in_the_command() -> bool:
 
 
 def hold() -> None:
-    """Notes HELD signals instead of dying on them, until `take_over` or `restore`."""
+    """Notes HELD signals instead of dying on them, until `take_over` or `restore`. Once is enough:
+    the command holds them at its first line, and fit holds them again for a call from Python."""
     global _holding
-    if threading.current_thread() is not threading.main_thread():
+    if _holding or threading.current_thread() is not threading.main_thread():
         return
     _holding = True
     for number in HELD:
