@@ -324,7 +324,7 @@ def _every_flag(command) -> list[str]:
                                       ["torchrun", "--nproc-per-node", "1", "--no-python", "python"]],
                          ids=["horovodrun", "torchrun"])
 def test_every_flag_of_every_command_passes_through_the_launcher_unchanged(launcher, tmp_path):
-    from hvdtrain.cli.commands import cli
+    from hvdtrain.cli import cli
 
     argv = []
     for name in ("fit", "plan", "evaluate", "predict", "export", "plot", "runs", "doctor"):

@@ -124,3 +124,35 @@ def test_the_fit_command_holds_the_scheduler_s_warning_before_it_loads_anything_
         "held with ['hvdtrain', 'hvdtrain.cli', 'hvdtrain.train', 'hvdtrain.train.early_signals']"), fit
     shown = subprocess.run([sys.executable, "-c", spy, "config"], capture_output=True, text=True)
     assert shown.returncode == 0 and "held with" not in shown.stdout and "train:" in shown.stdout, shown
+
+
+INTERRUPTED_INSIDE_TORCH = '''
+import importlib.abc, pathlib, sys, time
+class _Pause(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch.nn":  # half way through torch's own import, its C library loaded
+            sys.meta_path.remove(self)
+            pathlib.Path(r"{marker}").touch()
+            time.sleep(5)
+        return None
+sys.meta_path.insert(0, _Pause())
+'''
+
+
+def test_ctrl_c_while_fit_imports_torch_is_one_line_and_status_130(tmp_path):
+    """Ctrl-C that cuts torch's import short: importing torch again (to learn the rank) or tearing it
+    down at exit crashed (a segfault, or tracebacks of a half-loaded torch); now one line, 130."""
+    marker = tmp_path / "inside-torch"
+    (tmp_path / "sitecustomize.py").write_text(INTERRUPTED_INSIDE_TORCH.format(marker=marker))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    job = subprocess.Popen([sys.executable, "-m", "hvdtrain", "fit", "--data", "random", "--epochs", "1",
+                            "--run-dir", str(tmp_path / "run")], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.01)
+    assert marker.exists(), job.communicate()
+    job.send_signal(signal.SIGINT)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 130 and err.strip() == "hvdtrain: error: interrupted", (job.returncode, out, err)
+    assert not (tmp_path / "run").exists()

@@ -12,8 +12,9 @@ shell: it may import anything of hvdtrain, lazily inside a command where the imp
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -27,6 +28,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             early_signals.hold()
     try:
         _main(argv)
+    except KeyboardInterrupt:  # before click runs the command
+        _interrupted("--debug" in (sys.argv if argv is None else argv), argv is None)
     except SystemExit as leaving:
         _leave_torch_engine(leaving.code)
         raise
@@ -63,8 +66,8 @@ def _main(argv: Sequence[str] | None) -> None:
         cli.main(args=args, prog_name="hvdtrain", standalone_mode=False)
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
-    except click.exceptions.Abort:
-        fail("interrupted", 130, debug, wait=False)
+    except click.exceptions.Abort:  # click's KeyboardInterrupt
+        _interrupted(debug, argv is None)
     except click.ClickException as err:
         message = err.format_message()
         if "unexpected extra argument" in message and any(arg.endswith(".tar") for arg in args):
@@ -73,3 +76,40 @@ def _main(argv: Sequence[str] | None) -> None:
     except Exception as err:
         report_and_exit(err, debug)
         raise  # a bug or a machine failure: keep the traceback
+
+
+def _interrupted(debug: bool, command_process: bool) -> NoReturn:
+    """Ctrl-C (SIGINT, a user's or a launcher's) before training holds it or after it ended: one line
+    from rank 0, status 130, at once. Imports nothing: the interrupt may have cut torch's own import
+    short, and importing it again (for the rank) or the interpreter tearing it down at exit crashes,
+    with a segfault or a traceback from every rank; so the command's own process leaves with _exit."""
+    if debug:
+        import traceback
+
+        traceback.print_exc()
+    if _rank_without_imports() in (None, 0):  # dist: one line, from rank 0
+        print("hvdtrain: error: interrupted", file=sys.stderr, flush=True)
+    if not command_process:
+        sys.exit(130)
+    sys.stdout.flush()
+    os._exit(130)
+
+
+def _rank_without_imports() -> int | None:
+    """The engine's rank where it loaded whole, else the launchers' own variables."""
+    engine = sys.modules.get("hvdtrain.engine")
+    if engine is not None and hasattr(engine, "launcher_rank"):
+        return engine.launcher_rank()
+    for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
+
+
+def __getattr__(name: str) -> object:
+    """`hvdtrain.cli.cli`, the click group (for click's CliRunner), loaded when asked for."""
+    if name == "cli":
+        from hvdtrain.cli.commands import cli
+
+        return cli
+    raise AttributeError(f"module 'hvdtrain.cli' has no attribute {name!r}")
