@@ -137,6 +137,29 @@ def test_a_signal_to_a_rank_still_importing_torch_stops_at_the_first_step(launch
     assert output.count("hvdtrain: stopped by SIGUSR1 at epoch 1, step 1: checkpoint written") == 1, output[-3000:]
 
 
+@pytest.mark.parametrize("launcher", HOROVOD_AND_TORCH)
+def test_a_signal_to_the_launcher_before_any_rank_started_stops_them_at_the_first_step(launcher, tmp_path):
+    """Slurm's warning to a launcher that has no rank yet (it is still loading, or probing for MPI): it
+    waits until the ranks hold it, then passes it on, and they stop at step 1 with a checkpoint. It
+    killed torchrun, and under horovodrun reached only Horovod's `mpirun --version` probe ("horovod
+    does not find an installed MPI") or nothing at all."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *ARGS, "--epochs", "1", "--run-dir",
+                            str(run_dir)], env={**launch_env(), "HVDTRAIN_TEST_SIGNAL": ""},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    while not _catches(job.pid, signal.SIGUSR1) and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.002)
+    assert not _ranks(psutil.Process(job.pid)), "too late: a rank had started"
+    job.send_signal(signal.SIGUSR1)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode == 75, output[-3000:]
+    assert output.count("hvdtrain: stopped by SIGUSR1 at epoch 1, step 1: checkpoint written") == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
 def _catches(pid: int, number: int) -> bool:
     """Whether the process has a handler for the signal (its SigCgt mask in /proc)."""
     try:

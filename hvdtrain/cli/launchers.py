@@ -21,12 +21,18 @@ import os
 import re
 import signal
 import sys
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 STOPPED = 75  # every rank stopped on a signal with a checkpoint (hvdtrain.errors.StoppedBySignal)
 ANOTHER_RANK_FAILED = 76  # dist: a rank whose collective broke off as another failed (hvdtrain.errors)
 FAILED_JOB_GRACE_SECONDS = 5
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+# What a rank notes from its first moment instead of dying (hvdtrain.train.early_signals.HELD).
+HELD_BY_STARTING_RANKS = (signal.SIGUSR1,)
+RANKS_START_SECONDS = 30.0
 # A process with one of these is a rank (or a rank's own worker process, which inherits them).
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "TORCHELASTIC_RUN_ID")
 
@@ -34,8 +40,17 @@ RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK
 def forward_to_ranks(number: int, frame: object = None) -> None:
     """Sends the signal to every rank below this launcher (not to mpirun, which would end them
     itself, nor to shells around them or to their data-loader workers). With no rank of its own
-    here (all on other hosts, or none started yet) it goes to the launcher's own children (mpirun,
-    ssh), which end theirs: never swallowed."""
+    here (all on other hosts) it goes to the launcher's own children (mpirun, ssh), which end
+    theirs: never swallowed. A scheduler's warning (SIGUSR1) waits until every rank here holds it:
+    one that came before the ranks started, or while one was still starting (its default would
+    kill it), stops them at the first step like a later one."""
+    if number in HELD_BY_STARTING_RANKS and not _all_catch(ranks_below(), number):
+        threading.Thread(target=_forward_once_caught, args=(number,), daemon=True).start()
+        return
+    _send(number)
+
+
+def _send(number: int) -> None:
     import psutil
 
     sent = False
@@ -45,12 +60,41 @@ def forward_to_ranks(number: int, frame: object = None) -> None:
             sent = True
         except psutil.Error:  # gone meanwhile
             pass
-    if not sent:
-        for process in psutil.Process().children():
-            try:
-                process.send_signal(number)
-            except psutil.Error:
-                pass
+    if sent:
+        return
+    children = psutil.Process().children()
+    for process in children:
+        try:
+            process.send_signal(number)
+        except psutil.Error:
+            pass
+    if not children and number not in HELD_BY_STARTING_RANKS:  # nothing started yet: ends as it would have
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+
+
+def _forward_once_caught(number: int) -> None:
+    """Polls until every rank here has a handler for the signal, then sends it; with still no rank
+    here after RANKS_START_SECONDS (they all run on other hosts), to the launcher's children."""
+    deadline = time.monotonic() + RANKS_START_SECONDS
+    while time.monotonic() < deadline and not _all_catch(ranks_below(), number):
+        time.sleep(0.02)
+    _send(number)
+
+
+def _all_catch(ranks: list, number: int) -> bool:
+    """Whether there are ranks here and each has a handler for the signal (SigCgt in /proc)."""
+    if not ranks:
+        return False
+    for process in ranks:
+        try:
+            status = Path(f"/proc/{process.pid}/status").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+        if not int(caught, 16) & (1 << (number - 1)):
+            return False
+    return True
 
 
 def ranks_below() -> list:
@@ -99,15 +143,14 @@ def _is_rank(process) -> bool:
 
 
 def horovodrun() -> None:
-    import threading
+    for number in FORWARDED:  # first: Horovod's runner takes a second to load, a signal may come meanwhile
+        signal.signal(number, forward_to_ranks)
 
     from horovod.runner import gloo_run, launch, mpi_run
 
     from hvdtrain.cli.build_answers import remember_answers
 
     remember_answers(launch)  # 3 s of a core per launch otherwise
-    for number in FORWARDED:
-        signal.signal(number, forward_to_ranks)
     mpi_run.os = _ExecAsChild()  # keeps this process, and its handlers, in front of mpirun
     # Horovod's Gloo launcher would take SIGINT and SIGTERM over and kill every rank 5 s later,
     # stopped or not: its shutdown event is left unset, the ranks stop themselves.
@@ -191,6 +234,8 @@ class _PeerGoneHeldBack:
 
 
 def torchrun() -> None:
+    for number in FORWARDED:  # first: torch takes a second to load, a signal may come meanwhile
+        signal.signal(number, forward_to_ranks)  # SIGUSR1/2 too, which torchrun leaves to their default: death
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -213,8 +258,6 @@ def torchrun() -> None:
     from torch.distributed.elastic.multiprocessing import api
 
     api._terminate_process_handler = forward_to_ranks
-    for number in FORWARDED:  # SIGUSR1/2 too, which torchrun leaves to their default: death
-        signal.signal(number, forward_to_ranks)
     try:
         run(args)
     except ChildFailedError as err:
