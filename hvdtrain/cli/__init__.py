@@ -100,7 +100,12 @@ def _rank_without_imports() -> int | None:
     engine = sys.modules.get("hvdtrain.engine")
     if engine is not None and hasattr(engine, "launcher_rank"):
         return engine.launcher_rank()
-    for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID"):
+    names = ["HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]  # as engine.environment reads them
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # RANK means torchrun's only under torchrun
+        names.insert(0, "RANK")
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "0") or 0) > 1:  # a step of several tasks, not a batch script
+        names.append("SLURM_PROCID")
+    for name in names:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return None

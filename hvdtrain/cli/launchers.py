@@ -9,10 +9,10 @@ rank left first. torchrun also takes `hvdtrain` as the program
 (`torchrun --nproc-per-node 2 hvdtrain fit`), which it would otherwise look for as a
 Python file in the current directory.
 
-Both also pass a stop signal (SIGTERM, SIGINT, SIGUSR1, SIGUSR2: a scheduler's, a user's kill or
-Ctrl-C) on to the ranks and wait for them, so that they can stop at one step with a checkpoint:
-horovodrun itself died of SIGTERM and left mpirun and every rank training, and torchrun raised a
-traceback and exited 1. The exit status is then the ranks' (75 after a clean stop).
+Both also pass a stop signal on to the ranks (`forwarding`) and wait for them, so that they can
+stop at one step with a checkpoint: horovodrun itself died of SIGTERM and left mpirun and every rank
+training, and torchrun raised a traceback and exited 1. The exit status is then the ranks' (75
+after a clean stop).
 """
 
 from __future__ import annotations
@@ -22,97 +22,14 @@ import re
 import signal
 import sys
 import threading
-import time
-from pathlib import Path
 from typing import Any
+
+from hvdtrain.cli import forwarding
+from hvdtrain.cli.forwarding import forward_to_ranks
 
 STOPPED = 75  # every rank stopped on a signal with a checkpoint (hvdtrain.errors.StoppedBySignal)
 ANOTHER_RANK_FAILED = 76  # dist: a rank whose collective broke off as another failed (hvdtrain.errors)
 FAILED_JOB_GRACE_SECONDS = 5
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-# What a rank notes from its first moment instead of dying (hvdtrain.train.early_signals.HELD).
-HELD_BY_STARTING_RANKS = (signal.SIGUSR1,)
-RANKS_START_SECONDS = 30.0
-# A process with one of these is a rank (or a rank's own worker process, which inherits them).
-RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "TORCHELASTIC_RUN_ID")
-
-
-def forward_to_ranks(number: int, frame: object = None) -> None:
-    """Sends the signal to every rank below this launcher (not to mpirun, which would end them
-    itself, nor to shells around them or to their data-loader workers). With no rank of its own
-    here (all on other hosts) it goes to the launcher's own children (mpirun, ssh), which end
-    theirs: never swallowed. A scheduler's warning (SIGUSR1) waits until every rank here holds it:
-    one that came before the ranks started, or while one was still starting (its default would
-    kill it), stops them at the first step like a later one."""
-    if number in HELD_BY_STARTING_RANKS and not _all_catch(ranks_below(), number):
-        threading.Thread(target=_forward_once_caught, args=(number,), daemon=True).start()
-        return
-    _send(number)
-
-
-def _send(number: int) -> None:
-    import psutil
-
-    sent = False
-    for process in ranks_below():
-        try:
-            process.send_signal(number)
-            sent = True
-        except psutil.Error:  # gone meanwhile
-            pass
-    if sent:
-        return
-    children = psutil.Process().children()
-    for process in children:
-        try:
-            process.send_signal(number)
-        except psutil.Error:
-            pass
-    if not children and number not in HELD_BY_STARTING_RANKS:  # nothing started yet: ends as it would have
-        signal.signal(number, signal.SIG_DFL)
-        os.kill(os.getpid(), number)
-
-
-def _forward_once_caught(number: int) -> None:
-    """Polls until every rank here has a handler for the signal, then sends it; with still no rank
-    here after RANKS_START_SECONDS (they all run on other hosts), to the launcher's children."""
-    deadline = time.monotonic() + RANKS_START_SECONDS
-    while time.monotonic() < deadline and not _all_catch(ranks_below(), number):
-        time.sleep(0.02)
-    _send(number)
-
-
-def _all_catch(ranks: list, number: int) -> bool:
-    """Whether there are ranks here and each has a handler for the signal (SigCgt in /proc)."""
-    if not ranks:
-        return False
-    for process in ranks:
-        try:
-            status = Path(f"/proc/{process.pid}/status").read_text()
-        except OSError:  # gone meanwhile
-            continue
-        caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
-        if not int(caught, 16) & (1 << (number - 1)):
-            return False
-    return True
-
-
-def ranks_below() -> list:
-    """The rank processes among this process's descendants (psutil.Process), not their own
-    data-loader workers."""
-    import psutil
-
-    me = psutil.Process()
-    found = []
-    for process in me.children(recursive=True):
-        try:
-            parent = process.parent()
-            # A rank's own workers inherit its variables; the launcher may have them too (srun torchrun).
-            if _is_rank(process) and (parent is None or parent.pid == me.pid or not _is_rank(parent)):
-                found.append(process)
-        except psutil.Error:  # gone meanwhile
-            pass
-    return found
 
 
 class _ExecAsChild:
@@ -131,20 +48,8 @@ class _ExecAsChild:
         sys.exit(code if code >= 0 else 128 - code)
 
 
-def _is_rank(process) -> bool:
-    import psutil
-
-    try:
-        # The interpreter, not the name: a rank started as the `hvdtrain` script is named after it.
-        return os.path.basename(process.exe()).startswith("python") and \
-            any(name in process.environ() for name in RANK_VARIABLES)
-    except psutil.Error:
-        return False
-
-
 def horovodrun() -> None:
-    for number in FORWARDED:  # first: Horovod's runner takes a second to load, a signal may come meanwhile
-        signal.signal(number, forward_to_ranks)
+    forwarding.take_signals()  # first: Horovod's runner takes a second to load, a signal may come meanwhile
 
     from horovod.runner import gloo_run, launch, mpi_run
 
@@ -156,6 +61,7 @@ def horovodrun() -> None:
     # stopped or not: its shutdown event is left unset, the ranks stop themselves.
     gloo_run.register_shutdown_event = threading.Event
     workers = _GlooWorkers(gloo_run)
+    forwarding.launch_begins()
     try:
         code = launch.run_commandline()
     except RuntimeError as err:
@@ -234,8 +140,7 @@ class _PeerGoneHeldBack:
 
 
 def torchrun() -> None:
-    for number in FORWARDED:  # first: torch takes a second to load, a signal may come meanwhile
-        signal.signal(number, forward_to_ranks)  # SIGUSR1/2 too, which torchrun leaves to their default: death
+    forwarding.take_signals()  # first: torch takes a second to load; SIGUSR1/2 too, which torchrun leaves to their default
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -258,6 +163,7 @@ def torchrun() -> None:
     from torch.distributed.elastic.multiprocessing import api
 
     api._terminate_process_handler = forward_to_ranks
+    forwarding.launch_begins()
     try:
         run(args)
     except ChildFailedError as err:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from hvdtrain.cli.launchers import FORWARDED, forward_to_ranks, ranks_below
+from hvdtrain.cli.forwarding import FORWARDED, forward_to_ranks, ranks_below
 
 POLL_SECONDS = 0.2
 COMMAND_GRACE_SECONDS = 5.0

@@ -1,0 +1,146 @@
+"""Passing a stop signal from a launcher on to its ranks: the `horovodrun` and `torchrun` entries
+(`launchers`) and a pod's PID 1 (`pod`). SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 (a scheduler's, a
+user's kill or Ctrl-C) go to the rank processes below, which stop together at one step with a
+checkpoint; not to mpirun (which would end them itself), the shells around them or their
+data-loader workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+# What a rank notes from its first moment instead of dying (hvdtrain.train.early_signals.HELD).
+HELD_BY_STARTING_RANKS = (signal.SIGUSR1,)
+RANKS_START_SECONDS = 30.0
+# A process with one of these is a rank (or a rank's own worker process, which inherits them).
+RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "TORCHELASTIC_RUN_ID")
+_waiting: set[int] = set()  # held signals a thread passes on once the ranks hold them
+_launch_begun = False  # the launcher proper runs (it may start and end children of its own)
+
+
+def launch_begins() -> None:
+    """Said by a launcher entry as it starts the launcher proper: from here a signal with nothing to
+    pass it to is not this process's end (its children come and go: a probe, the ranks)."""
+    global _launch_begun
+    _launch_begun = True
+
+
+def forward_to_ranks(number: int, frame: object = None) -> None:
+    """Sends the signal to every rank below this launcher (not to mpirun, which would end them
+    itself, nor to shells around them or to their data-loader workers). With no rank of its own
+    here (all on other hosts) it goes to the launcher's own children (mpirun, ssh), which end
+    theirs: never swallowed. A scheduler's warning (SIGUSR1) waits until the ranks here hold it:
+    one that came before the ranks started, or while one was still starting (its default would
+    kill it), stops them at the first step like a later one. A repeat while it waits is the same."""
+    if number in HELD_BY_STARTING_RANKS:
+        ranks = ranks_below()
+        if not _all_settled(ranks, number):
+            if number not in _waiting:
+                _waiting.add(number)
+                threading.Thread(target=_forward_once_held, args=(number,), daemon=True).start()
+            return
+        _send(number, ranks)
+        return
+    _send(number, ranks_below())
+
+
+def _send(number: int, ranks: list) -> None:
+    """To `ranks`, else (none here) to this launcher's children; with neither, before the launch
+    began, the launcher ends as the signal's default would."""
+    import psutil
+
+    sent = False
+    for process in ranks:
+        try:
+            process.send_signal(number)
+            sent = True
+        except psutil.Error:  # gone meanwhile
+            pass
+    if sent:
+        return
+    children = psutil.Process().children()
+    for process in children:
+        try:
+            process.send_signal(number)
+        except psutil.Error:
+            pass
+    if not children and not _launch_begun and number not in HELD_BY_STARTING_RANKS:
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+
+
+def _forward_once_held(number: int) -> None:
+    """Polls until the ranks here hold the signal, then sends it to the ones it found holding it
+    (one that starts later hears of the stop from them, at the first step). With no rank here after
+    RANKS_START_SECONDS (all on other hosts), to the launcher's children; with ranks that still do
+    not catch it then (a script that calls hvdtrain.fit late), to them as to any program."""
+    deadline = time.monotonic() + RANKS_START_SECONDS
+    ranks = ranks_below()
+    while not _all_settled(ranks, number) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        ranks = ranks_below()
+    _waiting.discard(number)
+    holding = [process for process in ranks if _handles(process.pid, number)]
+    _send(number, holding or ranks)
+
+
+def _all_settled(ranks: list, number: int) -> bool:
+    """Whether there are ranks here and each catches the signal or ignores it (a rank whose training
+    ended ignores a late warning): none dies of it."""
+    return bool(ranks) and all(_handles(process.pid, number, or_ignores=True) for process in ranks)
+
+
+def _handles(pid: int, number: int, or_ignores: bool = False) -> bool:
+    """Whether the process has a handler for the signal (SigCgt in /proc), or ignores it (SigIgn);
+    a process gone meanwhile counts as handling it (nothing to send it to)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    masks = {line.split(":")[0]: int(line.split()[1], 16) for line in status.splitlines()
+             if line.startswith(("SigCgt:", "SigIgn:"))}
+    bit = 1 << (number - 1)
+    return bool(masks.get("SigCgt", 0) & bit or (or_ignores and masks.get("SigIgn", 0) & bit))
+
+
+def take_signals() -> None:
+    """The launcher entries' first step: a signal from here on is passed on (psutil loads first: a
+    handler importing it while Horovod's runner is importing it would find it half loaded)."""
+    import psutil  # noqa: F401
+
+    for number in FORWARDED:
+        signal.signal(number, forward_to_ranks)
+
+
+def ranks_below() -> list:
+    """The rank processes among this process's descendants (psutil.Process), not their own
+    data-loader workers."""
+    import psutil
+
+    me = psutil.Process()
+    found = []
+    for process in me.children(recursive=True):
+        try:
+            parent = process.parent()
+            # A rank's own workers inherit its variables; the launcher may have them too (srun torchrun).
+            if _is_rank(process) and (parent is None or parent.pid == me.pid or not _is_rank(parent)):
+                found.append(process)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return found
+
+
+def _is_rank(process) -> bool:
+    import psutil
+
+    try:
+        # The interpreter, not the name: a rank started as the `hvdtrain` script is named after it.
+        return os.path.basename(process.exe()).startswith("python") and \
+            any(name in process.environ() for name in RANK_VARIABLES)
+    except psutil.Error:
+        return False
