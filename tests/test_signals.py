@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from hvdtrain.train import early_signals
 from hvdtrain.train.stop_policy import StopSignals
@@ -139,6 +140,13 @@ sys.meta_path.insert(0, _Pause())
 '''
 
 
+def _as_a_terminal_starts_it() -> None:
+    """SIGINT at its default and not blocked, as a shell in a terminal starts a command: the process that
+    runs the tests may have inherited it ignored (a job started in the background) or have it blocked."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_ctrl_c_while_fit_imports_torch_is_one_line_and_status_130(tmp_path):
     """Ctrl-C that cuts torch's import short: importing torch again (to learn the rank) or tearing it
     down at exit crashed (a segfault, or tracebacks of a half-loaded torch); now one line, 130."""
@@ -147,12 +155,13 @@ def test_ctrl_c_while_fit_imports_torch_is_one_line_and_status_130(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     job = subprocess.Popen([sys.executable, "-m", "hvdtrain", "fit", "--data", "random", "--epochs", "1",
                             "--run-dir", str(tmp_path / "run")], env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+                           stderr=subprocess.PIPE, text=True, preexec_fn=_as_a_terminal_starts_it)
     deadline = time.monotonic() + 60
     while not marker.exists() and time.monotonic() < deadline and job.poll() is None:
         time.sleep(0.01)
     assert marker.exists(), job.communicate()
+    masks = [line for line in Path(f"/proc/{job.pid}/status").read_text().splitlines() if line.startswith("Sig")]
     job.send_signal(signal.SIGINT)
     out, err = job.communicate(timeout=60)
-    assert job.returncode == 130 and err.strip() == "hvdtrain: error: interrupted", (job.returncode, out, err)
+    assert job.returncode == 130 and err.strip() == "hvdtrain: error: interrupted", (job.returncode, out, err, masks)
     assert not (tmp_path / "run").exists()
