@@ -103,6 +103,63 @@ def test_the_python_api_gets_its_own_signal_handlers_back_after_fit():
         signal.signal(signal.SIGUSR1, before)
 
 
+STOPPED_IN_A_NOTEBOOK = """
+import os, signal, sys, time
+import hvdtrain
+from hvdtrain.errors import StoppedBySignal
+
+class CtrlC:
+    def on_step_end(self, state):
+        if state.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+def ctrl_c():
+    try:
+        os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2)
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt"
+    return "nothing"
+
+settings = dict(model="mlp", data="random", epochs=2, progress="off", run_dir=sys.argv[1],
+                overrides={"run.stop_check_seconds": 0, "data.samples": 512})
+try:
+    hvdtrain.fit(callbacks=[CtrlC()], **settings)
+except StoppedBySignal as stopped:
+    print("stopped:", stopped)
+print("a late copy:", ctrl_c())
+time.sleep(2.1)
+print("Ctrl-C later:", ctrl_c())
+print("SIGINT handler:", signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+      "SIGTERM:", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+hvdtrain.fit(resume=True, **settings)
+print("after the resume:", signal.getsignal(signal.SIGINT) is signal.default_int_handler, ctrl_c())
+from hvdtrain.train.stop_policy import StopSignals
+try:
+    with StopSignals("SIGINT,SIGTERM"):  # as while training: the first noted, a repeat later insists
+        print("while training:", ctrl_c())
+        time.sleep(2.1)
+        print("insisting:", ctrl_c())
+except KeyboardInterrupt:
+    print("KeyboardInterrupt out of training")
+print("at the end:", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+def test_a_python_session_stopped_by_ctrl_c_gets_its_own_handlers_back(tmp_path):
+    """hvdtrain.fit stopped by Ctrl-C in a notebook or a script that goes on: the late copy of that signal
+    (a launcher's) is absorbed, the next Ctrl-C is Python's KeyboardInterrupt again (it killed the process),
+    and a second fit in the same process gives back the same handlers; Ctrl-C insisting while training is a
+    KeyboardInterrupt too."""
+    done = subprocess.run([sys.executable, "-c", STOPPED_IN_A_NOTEBOOK, str(tmp_path / "run")], capture_output=True,
+                          text=True, timeout=120, preexec_fn=_as_a_terminal_starts_it)
+    assert done.returncode == 0, done
+    lines = [line for line in done.stdout.splitlines() if not line.startswith(("epoch", "hvdtrain:"))]
+    assert lines == ["stopped: stopped by SIGINT at epoch 1, step 2: checkpoint written; continue with --resume",
+                     "a late copy: nothing", "Ctrl-C later: KeyboardInterrupt", "SIGINT handler: True SIGTERM: True",
+                     "after the resume: True KeyboardInterrupt", "while training: nothing",
+                     "insisting: KeyboardInterrupt", "at the end: True"], done
+
+
 def test_the_fit_command_holds_the_scheduler_s_warning_before_it_loads_anything_heavy():
     """Slurm's --signal may reach a task within its first second: `hvdtrain fit` notes SIGUSR1 from its
     entry point on, before click, the config, YAML or torch load (until then the default kills it); the

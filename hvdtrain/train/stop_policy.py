@@ -32,7 +32,11 @@ Stop = Callable[[], Exception]
 class StopSignals:
     """Notes the configured signals instead of dying on them; a second one ends the process as the
     signal's default would (so a scheduler's or user's insistence still works). Once training has
-    ended well, SIGUSR1 (the scheduler's warning) is ignored instead (`early_signals`)."""
+    ended well, SIGUSR1 (the scheduler's warning) is ignored instead (`early_signals`).
+
+    In a process that goes on after fit (the Python API: a notebook, a script) insisting goes to the
+    handler the process had before fit (Ctrl-C twice: KeyboardInterrupt, not the kernel killed), and
+    after a stop the handlers go back at the first signal past the late-copy window."""
 
     # A repeat within this many seconds is the same delivery reaching this process twice (Slurm
     # signals every process of a step, and a launcher passes the signal on as well).
@@ -43,14 +47,15 @@ class StopSignals:
         self.received: int | None = None
         self._received_at = 0.0
         self._previous: dict[int, Any] = {}
+        self._stopped_at: float | None = None  # fit stopped on a signal in a process that goes on
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # Python takes signals there only
             for number in self.numbers:
-                self._previous[number] = signal.signal(number, self._note)
+                self._previous[number] = _before_stop_signals(signal.signal(number, self._note), number)
             # Then the one that came while fit was starting: no moment without a handler in between.
             early, originals = early_signals.take_over(set(self.numbers))
-            self._previous.update({n: h for n, h in originals.items() if n in self._previous})
+            self._previous.update({n: _before_stop_signals(h, n) for n, h in originals.items() if n in self._previous})
             if early is not None and self.received is None:
                 self.received, self._received_at = early, time.monotonic()
         return self
@@ -59,21 +64,45 @@ class StopSignals:
         if kind is not None and issubclass(kind, StoppedBySignal):
             # Stopping, maybe on another rank's signal: this rank's own copy may come now (torchrun's
             # agent passes it to one worker after another) and must not kill it as the default would.
+            # The command's process ends soon; one that goes on gets its handlers back in `_note`.
+            if not early_signals.in_the_command():
+                self._stopped_at = time.monotonic()
             return
         if kind is None:  # trained to the end: a scheduler's warning from here on has nothing to stop
             early_signals.ignore_after_training(self._previous)
+        self._give_back()
+
+    def _give_back(self) -> None:
         for number, handler in self._previous.items():
             if signal.getsignal(number) == self._note:
                 signal.signal(number, handler)
 
     def _note(self, number: int, frame: Any) -> None:
         now = time.monotonic()
+        if self._stopped_at is not None:  # fit has returned, and the process went on
+            if now - max(self._stopped_at, self._received_at) < self.SAME_DELIVERY_SECONDS:
+                return  # a late copy of the signal that stopped it
+            self._give_back()
+            signal.raise_signal(number)  # to the process's own handler, as if fit had never been
+            return
         if self.received is not None:
             if number == self.received and now - self._received_at < self.SAME_DELIVERY_SECONDS:
                 return
-            signal.signal(number, signal.SIG_DFL)  # insisting: die as this signal would
+            # Insisting: die as this signal would; in a process that goes on, its own handler takes it.
+            signal.signal(number, signal.SIG_DFL if early_signals.in_the_command() else
+                          self._previous.get(number, signal.SIG_DFL))
             signal.raise_signal(number)
+            return
         self.received, self._received_at = number, now
+
+
+def _before_stop_signals(handler: Any, number: int) -> Any:
+    """The handler to give back: an earlier fit's, which stopped in this process and kept its own until
+    the next signal, stands for what there was before that fit."""
+    earlier = getattr(handler, "__self__", None)
+    if isinstance(earlier, StopSignals) and getattr(handler, "__func__", None) is StopSignals._note:
+        return earlier._previous.get(number, signal.SIG_DFL)
+    return handler
 
 
 class StopPolicy:
