@@ -32,6 +32,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         _interrupted("--debug" in (sys.argv if argv is None else argv), argv is None)
     except SystemExit as leaving:
         _leave_torch_engine(leaving.code)
+        if argv is None:
+            _leave_without_teardown(leaving.code)
         raise
     except BaseException:  # a bug: its traceback, then the same way out
         if _torch_engine_leaves():
@@ -41,6 +43,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             _leave_torch_engine(1)
         raise
     _leave_torch_engine(0)
+    if argv is None:
+        _leave_without_teardown(0)
+
+
+def _leave_without_teardown(code: int | str | None) -> None:
+    from hvdtrain.cli.leaving import leave_without_teardown  # not before fit holds its signals
+
+    leave_without_teardown(code)
 
 
 def _torch_engine_leaves() -> bool:

@@ -26,6 +26,7 @@ from typing import Any
 
 from hvdtrain.cli import forwarding
 from hvdtrain.cli.forwarding import forward_to_ranks
+from hvdtrain.cli.leaving import leave_without_teardown
 
 STOPPED = 75  # every rank stopped on a signal with a checkpoint (hvdtrain.errors.StoppedBySignal)
 ANOTHER_RANK_FAILED = 76  # dist: a rank whose collective broke off as another failed (hvdtrain.errors)
@@ -170,7 +171,9 @@ def torchrun() -> None:
         code, line = torchrun_outcome(err.failures)
         if line:
             print(f"torchrun: {line}", file=sys.stderr, flush=True)
+        leave_without_teardown(code)
         sys.exit(code)
+    leave_without_teardown(0)
 
 
 def _grace_after_a_failure(args) -> None:
