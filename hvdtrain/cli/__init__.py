@@ -26,15 +26,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         early_signals.in_the_command_s_process()
         if sys.argv[1:2] == ["fit"]:  # before click and the rest of hvdtrain load: fit_from keeps it held
             early_signals.hold()
+    code: int | str | None = 0
     try:
         _main(argv)
     except KeyboardInterrupt:  # before click runs the command
         _interrupted("--debug" in (sys.argv if argv is None else argv), argv is None)
     except SystemExit as leaving:
         _leave_torch_engine(leaving.code)
-        if argv is None:
-            _leave_without_teardown(leaving.code)
-        raise
+        if argv is not None:
+            raise
+        code = leaving.code
     except BaseException:  # a bug: its traceback, then the same way out
         if _torch_engine_leaves():
             import traceback
@@ -42,12 +43,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             traceback.print_exc()
             _leave_torch_engine(1)
         raise
-    _leave_torch_engine(0)
+    _leave_torch_engine(code)
     if argv is None:
-        _leave_without_teardown(0)
+        _leave_without_teardown(code)
+        sys.exit(code)
 
 
 def _leave_without_teardown(code: int | str | None) -> None:
+    """Outside the `except` above: the exception's traceback, and the frames it holds (a data-loader
+    iterator of a run that stopped, whose workers exit with it), are freed first, as at a normal exit."""
     from hvdtrain.cli.leaving import leave_without_teardown  # not before fit holds its signals
 
     leave_without_teardown(code)
