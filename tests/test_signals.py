@@ -109,8 +109,11 @@ import hvdtrain
 from hvdtrain.errors import StoppedBySignal
 
 class CtrlC:
+    def __init__(self, step):
+        self.step = step
+
     def on_step_end(self, state):
-        if state.step == 2:
+        if state.step == self.step:
             os.kill(os.getpid(), signal.SIGINT)
 
 def ctrl_c():
@@ -122,17 +125,24 @@ def ctrl_c():
 
 settings = dict(model="mlp", data="random", epochs=2, progress="off", run_dir=sys.argv[1],
                 overrides={"run.stop_check_seconds": 0, "data.samples": 512})
+def handlers():
+    return (signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+            signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL)
+
 try:
-    hvdtrain.fit(callbacks=[CtrlC()], **settings)
+    hvdtrain.fit(callbacks=[CtrlC(2)], **settings)
 except StoppedBySignal as stopped:
     print("stopped:", stopped)
 print("a late copy:", ctrl_c())
 time.sleep(2.1)
 print("Ctrl-C later:", ctrl_c())
-print("SIGINT handler:", signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-      "SIGTERM:", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+print("handlers:", handlers())
+try:  # stopped again, then resumed at once: no signal in between gives the handlers back
+    hvdtrain.fit(resume=True, callbacks=[CtrlC(4)], **settings)
+except StoppedBySignal as stopped:
+    print("stopped:", stopped)
 hvdtrain.fit(resume=True, **settings)
-print("after the resume:", signal.getsignal(signal.SIGINT) is signal.default_int_handler, ctrl_c())
+print("after the resume:", handlers(), ctrl_c())
 from hvdtrain.train.stop_policy import StopSignals
 try:
     with StopSignals("SIGINT,SIGTERM"):  # as while training: the first noted, a repeat later insists
@@ -155,8 +165,9 @@ def test_a_python_session_stopped_by_ctrl_c_gets_its_own_handlers_back(tmp_path)
     assert done.returncode == 0, done
     lines = [line for line in done.stdout.splitlines() if not line.startswith(("epoch", "hvdtrain:"))]
     assert lines == ["stopped: stopped by SIGINT at epoch 1, step 2: checkpoint written; continue with --resume",
-                     "a late copy: nothing", "Ctrl-C later: KeyboardInterrupt", "SIGINT handler: True SIGTERM: True",
-                     "after the resume: True KeyboardInterrupt", "while training: nothing",
+                     "a late copy: nothing", "Ctrl-C later: KeyboardInterrupt", "handlers: (True, True)",
+                     "stopped: stopped by SIGINT at epoch 1, step 4: checkpoint written; continue with --resume",
+                     "after the resume: (True, True) KeyboardInterrupt", "while training: nothing",
                      "insisting: KeyboardInterrupt", "at the end: True"], done
 
 

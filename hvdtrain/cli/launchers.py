@@ -165,15 +165,15 @@ def torchrun() -> None:
 
     api._terminate_process_handler = forward_to_ranks
     forwarding.launch_begins()
+    code = 0
     try:
         run(args)
     except ChildFailedError as err:
         code, line = torchrun_outcome(err.failures)
         if line:
             print(f"torchrun: {line}", file=sys.stderr, flush=True)
-        leave_without_teardown(code)
-        sys.exit(code)
-    leave_without_teardown(0)
+    leave_without_teardown(code)  # once the failure's traceback, and the agent's frames, are let go
+    sys.exit(code)
 
 
 def _grace_after_a_failure(args) -> None:

@@ -80,8 +80,9 @@ class StopSignals:
     def _note(self, number: int, frame: Any) -> None:
         now = time.monotonic()
         if self._stopped_at is not None:  # fit has returned, and the process went on
-            if now - max(self._stopped_at, self._received_at) < self.SAME_DELIVERY_SECONDS:
-                return  # a late copy of the signal that stopped it
+            late = now - max(self._stopped_at, self._received_at) < self.SAME_DELIVERY_SECONDS
+            if late and self.received in (None, number):
+                return  # a late copy of the signal that stopped it (another rank's, where None)
             self._give_back()
             signal.raise_signal(number)  # to the process's own handler, as if fit had never been
             return
@@ -100,7 +101,8 @@ def _before_stop_signals(handler: Any, number: int) -> Any:
     """The handler to give back: an earlier fit's, which stopped in this process and kept its own until
     the next signal, stands for what there was before that fit."""
     earlier = getattr(handler, "__self__", None)
-    if isinstance(earlier, StopSignals) and getattr(handler, "__func__", None) is StopSignals._note:
+    if isinstance(earlier, StopSignals) and getattr(handler, "__func__", None) is StopSignals._note \
+            and earlier._stopped_at is not None:
         return earlier._previous.get(number, signal.SIG_DFL)
     return handler
 
