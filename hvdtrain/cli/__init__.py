@@ -65,7 +65,9 @@ def _torch_engine_leaves() -> bool:
 def _leave_torch_engine(code: int | str | None) -> None:
     """dist: a torch-engine rank leaves with os._exit, past the interpreter's teardown of the engine."""
     if _torch_engine_leaves():
-        sys.modules["hvdtrain.engine.torch_distributed"].leave_now(code)
+        from hvdtrain.cli.leaving import leave_at_once
+
+        leave_at_once(code)
 
 
 def _main(argv: Sequence[str] | None) -> None:

@@ -172,7 +172,7 @@ class TorchEngine(WatchedEngine):
         global _leave_at_once
         if not dist.is_initialized():
             return
-        # The command leaves with os._exit (leave_now) either way: the interpreter's own teardown of
+        # The command leaves with os._exit (cli/leaving.py) either way: the interpreter's own teardown of
         # the C++ side (the store client, Gloo's contexts) ended in terminate now and then (SIGABRT,
         # exit 134 after a finished run; about 1 run in 15 under mpirun on a busy host).
         _leave_at_once = True
@@ -312,28 +312,11 @@ def _require_resolvable(where: str, rank: int) -> None:
                                "name rank 0's host") from err
 
 
-_leave_at_once = False  # the engine has shut down: the process ends with leave_now
+_leave_at_once = False  # the engine has shut down: the process ends at once (cli/leaving.py)
 _starts = 0  # process groups this process has started: each fit of the Python API starts one
 
 
 def leaves_at_once() -> bool:
-    """Whether the engine has shut down, so that the process should end with `leave_now`."""
+    """Whether the engine has shut down, so that the process should end at once, without its exit
+    handlers (hvdtrain.cli.leaving.leave_at_once)."""
     return _leave_at_once
-
-
-def leave_now(code: int | str | None) -> None:
-    """Ends this process at once with `code` (sys.exit's: a message is printed, status 1) once the
-    engine has shut down: the interpreter's own teardown of torch.distributed's C++ side can abort.
-    The run's files are closed by then (fit closes them on every way out); what is left to flush
-    is the standard streams and logging's handlers. Data-loader workers see their parent gone and
-    end within seconds."""
-    if _leave_at_once:
-        import logging
-        import sys
-
-        if code is not None and not isinstance(code, int):
-            print(code, file=sys.stderr)  # as the interpreter would have for sys.exit("message")
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code if isinstance(code, int) else 0 if code is None else 1)
