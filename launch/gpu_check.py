@@ -91,6 +91,8 @@ def steps(check: Check) -> list[tuple[str, tuple[str, ...], Callable[[], Outcome
                                                                [*HOROVODRUN, "1"], "gloo")),
         ("throughput", gpu, lambda: throughput(check)),
         ("horovodrun-np2-one-gpu", horovod, lambda: two_on_one(check, "horovodrun-np2-one-gpu", [*HOROVODRUN, "2"])),
+        ("throughput-launched", horovod, lambda: throughput_launched(check)),
+        ("powersgd-arithmetic", gpu, lambda: powersgd_arithmetic(check)),
     ]
 
 
@@ -268,6 +270,40 @@ def throughput(check: Check) -> Outcome:
         f"(ratio {row['ratio']:.2f})" for row in measured["rows"]), ran
 
 
+def throughput_launched(check: Check) -> Outcome:
+    """The ResNet-50 layout in bf16 under each engine's launcher at one process, each beside its own plain
+    loop: what the engine's step (its allreduce hook, Horovod's background thread) costs on the GPU."""
+    rows, runs = [], []
+    for engine, launcher in (("torch", "torchrun --nproc-per-node 1"), ("horovod", "horovodrun --gloo -np 1")):
+        result = check.runs / f"throughput-{engine}.json"
+        ran = check.run("throughput-launched", [str(check.venv / "bin" / "python"),
+                                                str(ROOT / "benchmarks" / "gpu_throughput.py"), "--precisions", "bf16",
+                                                "--launcher", launcher, "--json", str(result)], 200, cwd=ROOT)
+        runs.append(ran)
+        if ran.rc != 0 or not result.exists():
+            return "fail", f"{launcher}: {ended(ran)}", joined(runs)
+        row = json.loads(result.read_text())["rows"][0]
+        rows.append({"engine": engine, "launcher": launcher, **row})
+    check.report.data["throughput_launched"] = rows
+    return "pass", "; ".join(f"{row['launcher']} ({row['engine']} engine), bf16: fit {row['hvdtrain_samples_per_s']:,.0f}/s, "
+                             f"plain {row['plain_samples_per_s']:,.0f}/s (ratio {row['ratio']:.2f})" for row in rows), \
+        joined(runs)
+
+
+def powersgd_arithmetic(check: Check) -> Outcome:
+    """PowerSGD's own arithmetic per step on the GPU beside the host's, for the two-hosts job's model."""
+    result = check.runs / "powersgd.json"
+    ran = check.run("powersgd-arithmetic", [str(check.venv / "bin" / "python"),
+                                            str(ROOT / "benchmarks" / "powersgd_arithmetic.py"), "--devices", "cpu,cuda",
+                                            "--json", str(result)], 120, cwd=ROOT)
+    if ran.rc != 0 or not result.exists():
+        return "fail", ended(ran), ran
+    measured = json.loads(result.read_text())
+    check.report.data["powersgd_arithmetic"] = measured
+    return "pass", "; ".join(f"{row['device']}: PowerSGD {row['powersgd_ms']:.1f} ms a step, forward and backward "
+                             f"{row['step_ms']:.1f} ms" for row in measured["rows"]), ran
+
+
 def ended(ran: Ran) -> str:
     if ran.rc is None:
         return f"no end after {ran.seconds:.0f} s: stopped"
@@ -310,7 +346,8 @@ def main() -> None:
     args = parser.parse_args()
     if not (args.kit / "requirements.txt").exists():
         refuse(f"no kit at {args.kit}: run `make gpu-kit` where there is a network, and bring .gpu-kit/ along")
-    python = shutil.which(args.python) or args.python  # before the check puts its venv first on PATH
+    # Found before the check puts its venv first on PATH; absolute, since steps run in other folders.
+    python = str(Path(shutil.which(args.python) or args.python).absolute())
     check = Check(args.out.resolve(), args.kit.resolve(), python, args.work.resolve(), args.seconds)
     only, known = {name for name in args.only.split(",") if name}, [name for name, _, _ in steps(check)]
     if only - set(known):
