@@ -77,9 +77,23 @@ def grads_with_flags(bucket: list[torch.nn.Parameter]) -> tuple[list[torch.Tenso
     """Each parameter's gradient flattened (zeros where this rank computed none), and one flag per
     parameter: whether it did. dist: the flags ride along in the same collective, so a parameter that
     no rank computed keeps no gradient (as with DDP) and momentum and weight decay leave it alone."""
-    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
-    used = torch.tensor([float(p.grad is not None) for p in bucket], dtype=grads[0].dtype, device=grads[0].device)
-    return grads, used
+    grads = flat_grads(bucket)
+    return grads, host_values([float(p.grad is not None) for p in bucket], grads[0].dtype, grads[0].device)
+
+
+def flat_grads(bucket: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's gradient flattened, zeros where this rank computed none."""
+    return [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
+
+
+def host_values(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, without waiting for it: `torch.tensor(..., device="cuda")` copies
+    from pageable memory, which waits until the GPU has run everything queued. In a gradient hook that
+    made backward itself wait for the GPU, and the next batch was then loaded with the GPU idle."""
+    on_host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return on_host.to(device)
+    return on_host.pin_memory().to(device, non_blocking=True)  # torch keeps the pinned buffer until copied
 
 
 def set_gradient(param: torch.nn.Parameter, combined: torch.Tensor, users: float) -> None:

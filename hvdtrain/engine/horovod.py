@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from hvdtrain.engine.base import ElasticState, GradientSync, T
+from hvdtrain.engine.buckets import host_values
 from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.errors import UserError
 from hvdtrain.engine.activity import SET_UP_SECONDS, Activity
@@ -183,7 +184,7 @@ class HorovodEngine(WatchedEngine):
         # gradients: Horovod fills a missing one with zeros, and one that no rank computed keeps none
         # (as with DDP), so momentum and weight decay leave that parameter alone.
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+        used = host_values([float(p.grad is not None) for p in params], torch.float32, params[0].device)
         handle = hvd.allreduce_async(used, op=hvd.Sum, name="hvdtrain.gradients_used")
         optimizer.synchronize()
         for param, users in zip(params, hvd.synchronize(handle).tolist()):

@@ -24,7 +24,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from hvdtrain.engine.buckets import (BUCKET_BYTES, FIRST_BUCKET_BYTES, BucketHooks, as_gradient, buckets,
-                                     grads_with_flags)
+                                     flat_grads, host_values)
 from hvdtrain.engine.segments import SegmentCollectives, finish_reduce_scatter, start_reduce_scatter
 
 
@@ -95,13 +95,15 @@ class ShardedGradients:
 
     def _start(self, index: int) -> None:
         share = self.shares[index]
-        grads, used = grads_with_flags(share.params)
+        grads = flat_grads(share.params)
+        used = [float(param.grad is not None) for param in share.params]
         pieces = []
         for rank in range(self.size):
             mine = share.owned_by(rank)
-            pieces += [grads[i] for i in mine] + [used[mine]]
+            # the flags from the host, not indexed on the device: a list index waits for the GPU
+            pieces += [grads[i] for i in mine] + [host_values([used[i] for i in mine], grads[0].dtype, grads[0].device)]
             filled = sum(grads[i].numel() for i in mine) + len(mine)
-            pieces.append(used.new_zeros(share.segment - filled))
+            pieces.append(grads[0].new_zeros(share.segment - filled))
         flat = torch.cat(pieces)
         for param in share.params:  # the flat copy is what travels: each rank keeps only its share's
             param.grad = None
