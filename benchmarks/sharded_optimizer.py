@@ -7,12 +7,16 @@ Each rank's resident memory (RssAnon from /proc/self/status, read by a callback 
 first epoch) is measured for three runs of the same model: AdamW unsharded, AdamW sharded, and plain
 SGD without momentum (no optimizer state at all). The optimizer state's memory is a run's RssAnon
 less the stateless run's; the ratio sharded/unsharded is the figure (at most 0.55 wanted at np=2).
+Beside it, the same from the bytes glibc's allocator has handed out and not had back (mallinfo2): RssAnon
+also holds the freed memory that `train.keep_freed_memory` keeps for the next step, hundreds of MiB
+that differ from rank to rank and epoch to epoch.
 Samples/s is the mean over the epochs after the first, the runs alternating, the median of the repeats.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import sys
@@ -46,18 +50,39 @@ def wide_mlp(input_shape, num_classes):
     return nn.Sequential(*layers, nn.Linear(WIDTH, num_classes))
 
 
+class _Mallinfo2(ctypes.Structure):
+    """glibc's mallinfo2(): byte counts of the heap (`arena`), of mmapped blocks (`hblkhd`), and of the
+    heap's blocks in use (`uordblks`) and free but kept (`fordblks`)."""
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
+def allocated_bytes() -> int | None:
+    """What glibc's allocator has handed out and not had back (heap blocks in use and mmapped ones):
+    RssAnon less the freed memory it keeps for the next step (`train.keep_freed_memory`)."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):  # not glibc, or one older than 2.33
+        return None
+    mallinfo2.restype = _Mallinfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
 class ResidentMemory:
-    """Writes this rank's RssAnon (bytes) at the end of the first epoch into RUN_DIR/rss-RANK.json."""
+    """Writes this rank's RssAnon and its allocated bytes at the end of the first epoch into
+    RUN_DIR/rss-RANK.json."""
 
     def on_epoch_end(self, state):
         if state.epoch == 1:
             fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
             kib = int(fields["RssAnon"].split()[0])
-            (state.run_dir / f"rss-{state.rank}.json").write_text(json.dumps({"rss_anon": kib * 1024}))
+            (state.run_dir / f"rss-{state.rank}.json").write_text(
+                json.dumps({"rss_anon": kib * 1024, "allocated": allocated_bytes()}))
 
 
-def fit_once(launcher: list[str], flags: list[str], epochs: int, run_dir: Path) -> tuple[list[int], float]:
-    """One run: each rank's RssAnon after epoch 1, and samples/s over the later epochs."""
+def fit_once(launcher: list[str], flags: list[str], epochs: int, run_dir: Path) -> tuple[list[int], list[int], float]:
+    """One run: each rank's RssAnon and allocated bytes after epoch 1, and samples/s over the later epochs."""
     import subprocess
 
     command = [*launcher, str(BIN / "hvdtrain"), "fit", "--model", "benchmarks.sharded_optimizer:wide_mlp",
@@ -69,10 +94,11 @@ def fit_once(launcher: list[str], flags: list[str], epochs: int, run_dir: Path) 
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     if done.returncode != 0:
         sys.exit(f"bench: {' '.join(flags)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    rss = [json.loads((run_dir / f"rss-{rank}.json").read_text())["rss_anon"] for rank in range(2)]
+    memory = [json.loads((run_dir / f"rss-{rank}.json").read_text()) for rank in range(2)]
+    rss, allocated = [m["rss_anon"] for m in memory], [m["allocated"] or 0 for m in memory]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     rate = sum(r["train_samples"] for r in records) / sum(r["train_samples"] / r["train_samples_per_s"] for r in records)
-    return rss, rate
+    return rss, allocated, rate
 
 
 def main() -> None:
@@ -82,40 +108,50 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "sharded_optimizer.json"))
     args = parser.parse_args()
     results: dict[str, dict[str, dict[str, list]]] = {
-        engine: {variant: {"rss": [], "rate": []} for variant in VARIANTS} for engine in ENGINES}
+        engine: {variant: {"rss": [], "allocated": [], "rate": []} for variant in VARIANTS} for engine in ENGINES}
     with tempfile.TemporaryDirectory() as scratch:
         for repeat in range(args.repeats):
             for engine, launcher in ENGINES.items():
                 for variant, flags in VARIANTS.items():  # alternating: drift on a shared machine hits all alike
-                    rss, rate = fit_once(launcher, flags, args.epochs, Path(scratch) / "run")
-                    results[engine][variant]["rss"].append(rss)
-                    results[engine][variant]["rate"].append(rate)
+                    rss, allocated, rate = fit_once(launcher, flags, args.epochs, Path(scratch) / "run")
+                    for name, value in (("rss", rss), ("allocated", allocated), ("rate", rate)):
+                        results[engine][variant][name].append(value)
                     print(f"  run {repeat + 1}/{args.repeats}  {engine}  {variant}: RssAnon "
-                          f"{[f'{r / 2**20:.0f} MiB' for r in rss]}, {rate:,.1f} samples/s", flush=True)
+                          f"{[f'{r / 2**20:.0f} MiB' for r in rss]}, allocated "
+                          f"{[f'{a / 2**20:.0f} MiB' for a in allocated]}, {rate:,.1f} samples/s", flush=True)
     summary = {}
     for engine, by in results.items():
-        rss = {v: [statistics.median(r[rank] for r in by[v]["rss"]) for rank in range(2)] for v in VARIANTS}
+        summary[engine] = {}
+        for measure in ("rss", "allocated"):
+            held = {v: [statistics.median(r[rank] for r in by[v][measure]) for rank in range(2)] for v in VARIANTS}
+            summary[engine].update(state_figures(measure, held))
         rate = {v: statistics.median(by[v]["rate"]) for v in VARIANTS}
-        base, whole, sharded = (rss[v] for v in ("sgd without momentum (no optimizer state)", "adamw, unsharded",
-                                                 "adamw, --shard-optimizer"))
-        state = {"unsharded": [w - b for w, b in zip(whole, base)], "sharded": [s - b for s, b in zip(sharded, base)]}
-        summary[engine] = {
-            "rss_anon_mib": {v: [round(r / 2**20) for r in rss[v]] for v in VARIANTS},
-            "optimizer_state_mib": {k: [round(r / 2**20) for r in v] for k, v in state.items()},
-            "state_ratio_per_rank": [round(s / u, 3) for s, u in zip(state["sharded"], state["unsharded"])],
+        summary[engine].update({
             "samples_per_s": {v: round(r, 1) for v, r in rate.items()},
             "rate_ratio": round(rate["adamw, --shard-optimizer"] / rate["adamw, unsharded"], 3),
-        }
+        })
     print(f"\n50.4 M parameters, AdamW, 2 processes, medians of {args.repeats}")
     for engine, figures in summary.items():
         print(engine)
-        print(f"  optimizer state per rank (RssAnon less the stateless run's): unsharded "
-              f"{figures['optimizer_state_mib']['unsharded']} MiB, sharded {figures['optimizer_state_mib']['sharded']} "
-              f"MiB: ratio {figures['state_ratio_per_rank']}")
+        for measure, what in (("rss", "RssAnon"), ("allocated", "allocated bytes")):
+            print(f"  optimizer state per rank ({what} less the stateless run's): unsharded "
+                  f"{figures[f'{measure}_state_mib']['unsharded']} MiB, sharded "
+                  f"{figures[f'{measure}_state_mib']['sharded']} MiB: ratio {figures[f'{measure}_state_ratio']}")
         print(f"  samples/s: unsharded {figures['samples_per_s']['adamw, unsharded']:,.1f}, sharded "
               f"{figures['samples_per_s']['adamw, --shard-optimizer']:,.1f}: ratio {figures['rate_ratio']}")
     Path(args.out).write_text(json.dumps({"repeats": args.repeats, "epochs": args.epochs, "results": summary},
                                          indent=2) + "\n")
+
+
+def state_figures(measure: str, held: dict[str, list[float]]) -> dict:
+    """The optimizer state's bytes per rank by one measure of each run's memory (`held`, per variant and
+    rank): each AdamW run's less the stateless run's, and sharded over unsharded."""
+    base, whole, sharded = (held[v] for v in ("sgd without momentum (no optimizer state)", "adamw, unsharded",
+                                              "adamw, --shard-optimizer"))
+    state = {"unsharded": [w - b for w, b in zip(whole, base)], "sharded": [s - b for s, b in zip(sharded, base)]}
+    return {f"{measure}_mib": {v: [round(r / 2**20) for r in held[v]] for v in VARIANTS},
+            f"{measure}_state_mib": {k: [round(r / 2**20) for r in v] for k, v in state.items()},
+            f"{measure}_state_ratio": [round(s / u, 3) if u else None for s, u in zip(state["sharded"], state["unsharded"])]}
 
 
 if __name__ == "__main__":
