@@ -26,14 +26,13 @@ def leave_without_teardown(code: int | str | None) -> None:
 
 
 def leave_at_once(code: int | str | None) -> None:
-    """Ends a torch-engine rank whose engine has shut down, without even the exit handlers: the
-    interpreter's own teardown of torch.distributed's C++ side can abort. The run's files are closed by
-    then (fit closes them on every way out); what is left to flush is logging's handlers and the
-    standard streams. Data-loader workers see their parent gone and end within seconds."""
-    import logging
+    """Ends a torch-engine rank whose engine has shut down as `leave_without_teardown` does (the exit
+    handlers, a user's too, then the flushes), but always past the interpreter's teardown: its teardown
+    of torch.distributed's C++ side can abort."""
+    import atexit
 
     status = _status(code)
-    logging.shutdown()
+    atexit._run_exitfuncs()
     _flush_and_exit(status)
 
 

@@ -4,8 +4,9 @@
 
 A thread left inside a C++ call (the process group's store) while the interpreter exits is
 ended by a forced unwind that C++ turns into `terminate`: the rank dies of SIGABRT after a
-finished run. At exit only the main thread may be left. A torch-engine rank leaves with os._exit,
-past the interpreter's exit handlers, so the report is made there as well.
+finished run. At exit only the main thread may be left. The command leaves with os._exit after the
+exit handlers, past the interpreter's teardown, so the report is made at both: the exit handlers' (a
+user's handler must run under every engine) and os._exit's.
 """
 
 import atexit
@@ -16,7 +17,7 @@ import threading
 from hvdtrain.cli import main
 
 
-def _report(how: str = "interpreter exit") -> None:
+def _report(how: str = "its exit handlers") -> None:
     names = [thread.name for thread in threading.enumerate()]
     sys.stderr.write(f"rank {os.environ.get('RANK', os.environ.get('OMPI_COMM_WORLD_RANK'))} threads at {how}: "
                      f"{','.join(names)}\n")
