@@ -165,8 +165,8 @@ def horovodrun_on_two_hosts(hosts: list[list[str]], key: Path, fit_args: list[st
                            *fit_args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def job_args(run_dir: Path, epochs: int, compression: str) -> list[str]:
-    return ["--model", "benchmarks.two_hosts:comm_heavy", "--data", "digits", "--batch-size", "32",
+def job_args(run_dir: Path, epochs: int, compression: str, batch: int = 32) -> list[str]:
+    return ["--model", "benchmarks.two_hosts:comm_heavy", "--data", "digits", "--batch-size", str(batch),
             "--epochs", str(epochs), "--threads", "1",
             "--optimizer", "sgd", "--lr", "0.01", "--no-scale-lr", "--progress", "off", "--no-tensorboard",
             "--compression", compression, "--run-dir", str(run_dir), "--overwrite"]
@@ -184,6 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", default="1gbit", help="the link's rate, as tc writes it (1gbit, 10gbit)")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32, help="per rank")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "two_hosts.json"))
     args = parser.parse_args()
     why = unavailable()
@@ -195,7 +196,7 @@ def main() -> None:
     ceiling = 0.0
     with tempfile.TemporaryDirectory() as scratch, throttled_hosts(args.rate) as hosts:
         alone = Path(scratch) / "alone"
-        done = subprocess.run([*hosts[0], str(BIN / "hvdtrain"), "fit", *job_args(alone, args.epochs, "none")],
+        done = subprocess.run([*hosts[0], str(BIN / "hvdtrain"), "fit", *job_args(alone, args.epochs, "none", args.batch)],
                               env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             sys.exit(f"bench: one rank alone failed:\n{done.stderr[-3000:]}")
@@ -204,7 +205,7 @@ def main() -> None:
         print(f"  ceiling (one rank alone, twice its rate): {ceiling:,.1f} samples/s", flush=True)
         for compression in COMPRESSIONS:
             run_dir = Path(scratch) / compression
-            ranks = torchrun_on_two_hosts(hosts, job_args(run_dir, args.epochs, compression), env, timeout=3600)
+            ranks = torchrun_on_two_hosts(hosts, job_args(run_dir, args.epochs, compression, args.batch), env, timeout=3600)
             if any(rank.returncode != 0 for rank in ranks):
                 sys.exit(f"bench: {compression} on two hosts failed:\n" + "\n".join(r.stderr[-2000:] for r in ranks))
             rate, accuracy = rate_and_accuracy(run_dir)
