@@ -109,8 +109,8 @@ def hvdtrain_fit(precision: str, args: argparse.Namespace) -> float:
         if done.returncode != 0:
             raise SystemExit(f"gpu_throughput: hvdtrain fit --precision {precision} failed: {done.stderr.strip()[-2000:]}")
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    timed = records[1:]  # samples over seconds, epochs weighted by their length
-    return len(timed) / sum(1 / record["train_samples_per_s"] for record in timed)
+    timed = records[1:]  # samples over seconds, over these epochs together
+    return sum(r["train_samples"] for r in timed) / sum(r["train_samples"] / r["train_samples_per_s"] for r in timed)
 
 
 def plain_loop(precision: str, device_name: str, batch: int, steps: int) -> dict:

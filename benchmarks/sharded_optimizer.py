@@ -95,7 +95,7 @@ def fit_once(launcher: list[str], flags: list[str], epochs: int, run_dir: Path) 
     if done.returncode != 0:
         sys.exit(f"bench: {' '.join(flags)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     memory = [json.loads((run_dir / f"rss-{rank}.json").read_text()) for rank in range(2)]
-    rss, allocated = [m["rss_anon"] for m in memory], [m["allocated"] or 0 for m in memory]
+    rss, allocated = [m["rss_anon"] for m in memory], [m["allocated"] for m in memory]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     rate = sum(r["train_samples"] for r in records) / sum(r["train_samples"] / r["train_samples_per_s"] for r in records)
     return rss, allocated, rate
@@ -118,11 +118,14 @@ def main() -> None:
                         results[engine][variant][name].append(value)
                     print(f"  run {repeat + 1}/{args.repeats}  {engine}  {variant}: RssAnon "
                           f"{[f'{r / 2**20:.0f} MiB' for r in rss]}, allocated "
-                          f"{[f'{a / 2**20:.0f} MiB' for a in allocated]}, {rate:,.1f} samples/s", flush=True)
+                          f"{[f'{a / 2**20:.0f} MiB' if a is not None else '?' for a in allocated]}, "
+                          f"{rate:,.1f} samples/s", flush=True)
     summary = {}
     for engine, by in results.items():
         summary[engine] = {}
         for measure in ("rss", "allocated"):
+            if any(None in run for v in VARIANTS for run in by[v][measure]):
+                continue  # no mallinfo2 here (not glibc, or one older than 2.33)
             held = {v: [statistics.median(r[rank] for r in by[v][measure]) for rank in range(2)] for v in VARIANTS}
             summary[engine].update(state_figures(measure, held))
         rate = {v: statistics.median(by[v]["rate"]) for v in VARIANTS}
@@ -134,6 +137,8 @@ def main() -> None:
     for engine, figures in summary.items():
         print(engine)
         for measure, what in (("rss", "RssAnon"), ("allocated", "allocated bytes")):
+            if f"{measure}_state_mib" not in figures:
+                continue
             print(f"  optimizer state per rank ({what} less the stateless run's): unsharded "
                   f"{figures[f'{measure}_state_mib']['unsharded']} MiB, sharded "
                   f"{figures[f'{measure}_state_mib']['sharded']} MiB: ratio {figures[f'{measure}_state_ratio']}")

@@ -213,7 +213,8 @@ def main() -> None:
                                     "val_acc": accuracy}
             print(f"  {compression}: {rate:,.1f} samples/s, {rate / ceiling:.2f} of the ceiling, val_acc "
                   f"{accuracy:.4f}", flush=True)
-    Path(args.out).write_text(json.dumps({"rate": args.rate, "epochs": args.epochs, "ceiling_samples_per_s":
+    Path(args.out).write_text(json.dumps({"rate": args.rate, "epochs": args.epochs, "batch": args.batch,
+                                          "ceiling_samples_per_s":
                                           round(ceiling, 1), "results": results}, indent=2) + "\n")
 
 

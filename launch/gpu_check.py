@@ -91,7 +91,7 @@ def steps(check: Check) -> list[tuple[str, tuple[str, ...], Callable[[], Outcome
                                                                [*HOROVODRUN, "1"], "gloo")),
         ("throughput", gpu, lambda: throughput(check)),
         ("horovodrun-np2-one-gpu", horovod, lambda: two_on_one(check, "horovodrun-np2-one-gpu", [*HOROVODRUN, "2"])),
-        ("throughput-launched", horovod, lambda: throughput_launched(check)),
+        ("throughput-launched", gpu, lambda: throughput_launched(check)),
         ("powersgd-arithmetic", gpu, lambda: powersgd_arithmetic(check)),
     ]
 
@@ -274,7 +274,8 @@ def throughput_launched(check: Check) -> Outcome:
     """The ResNet-50 layout in bf16 under each engine's launcher at one process, each beside its own plain
     loop: what the engine's step (its allreduce hook, Horovod's background thread) costs on the GPU."""
     rows, runs = [], []
-    for engine, launcher in (("torch", "torchrun --nproc-per-node 1"), ("horovod", "horovodrun --gloo -np 1")):
+    launchers = [("torch", "torchrun --nproc-per-node 1")] + ([("horovod", "horovodrun --gloo -np 1")] if check.horovod else [])
+    for engine, launcher in launchers:  # the torch engine's even where Horovod did not build
         result = check.runs / f"throughput-{engine}.json"
         ran = check.run("throughput-launched", [str(check.venv / "bin" / "python"),
                                                 str(ROOT / "benchmarks" / "gpu_throughput.py"), "--precisions", "bf16",

@@ -205,6 +205,7 @@ def test_backward_under_the_torch_engine_s_gradient_hooks_never_waits_for_the_gp
                 loss.backward()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+            assert averaged.hooks.started == len(averaged.hooks.buckets) > 1  # every bucket started in backward
             averaged.wait()
 
         step(watched=False)  # NCCL's communicator starts at the first collective

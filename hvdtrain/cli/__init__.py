@@ -32,17 +32,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:  # before click runs the command
         _interrupted("--debug" in (sys.argv if argv is None else argv), argv is None)
     except SystemExit as leaving:
-        _leave_torch_engine(leaving.code)
-        if argv is not None:
+        if argv is not None and not _torch_engine_leaves():
             raise
         code = leaving.code
     except BaseException:  # a bug: its traceback, then the same way out
-        if _torch_engine_leaves():
-            import traceback
+        if not _torch_engine_leaves():
+            raise
+        import traceback
 
-            traceback.print_exc()
-            _leave_torch_engine(1)
-        raise
+        traceback.print_exc()
+        code = 1
+    # dist: outside the `except` blocks, as below: the exception's frames, and a data-loader iterator among
+    # them, are freed first. Its workers ignore SIGTERM, and the exit handlers would wait for them for ever.
     _leave_torch_engine(code)
     if argv is None:
         _leave_without_teardown(code)

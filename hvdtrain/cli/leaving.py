@@ -17,6 +17,7 @@ def leave_without_teardown(code: int | str | None) -> None:
     import atexit
     import threading
 
+    _end_data_loader_workers()  # the interpreter's own way out runs multiprocessing's handler too
     if any(thread.is_alive() and not thread.daemon for thread in threading.enumerate()
            if thread is not threading.current_thread()) or _mpi4py_finalizes_at_teardown():
         return
@@ -32,8 +33,28 @@ def leave_at_once(code: int | str | None) -> None:
     import atexit
 
     status = _status(code)
+    _end_data_loader_workers()
     atexit._run_exitfuncs()
     _flush_and_exit(status)
+
+
+def _end_data_loader_workers() -> None:
+    """Ends the daemonic child processes (data-loader workers) before the exit handlers run: multiprocessing's
+    handler sends them SIGTERM and waits for them, and hvdtrain's workers ignore SIGTERM (it is their rank's
+    to stop them). A finished run's loaders have ended theirs; a failed run's outlive its exception (in
+    reference cycles with its frames) and are killed, as their rank's death would end them. Without this a
+    rank that failed with workers waited for ever, and the launcher named the rank it killed to end the job."""
+    multiprocessing = sys.modules.get("multiprocessing")
+    left = [child for child in multiprocessing.active_children() if child.daemon] if multiprocessing else []
+    if not left:
+        return
+    import signal
+
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler raises for a worker killed: here on purpose
+    for child in left:
+        child.kill()
+    for child in left:
+        child.join(5)
 
 
 def _status(code: int | str | None) -> int:

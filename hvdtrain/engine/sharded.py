@@ -96,12 +96,14 @@ class ShardedGradients:
     def _start(self, index: int) -> None:
         share = self.shares[index]
         grads = flat_grads(share.params)
-        used = [float(param.grad is not None) for param in share.params]
-        pieces = []
-        for rank in range(self.size):
-            mine = share.owned_by(rank)
-            # the flags from the host, not indexed on the device: a list index waits for the GPU
-            pieces += [grads[i] for i in mine] + [host_values([used[i] for i in mine], grads[0].dtype, grads[0].device)]
+        owned = [share.owned_by(rank) for rank in range(self.size)]
+        # every rank's flags in one copy from the host, not indexed on the device: a list index waits for the GPU
+        flags = host_values([float(share.params[i].grad is not None) for mine in owned for i in mine],
+                            grads[0].dtype, grads[0].device)
+        pieces, taken = [], 0
+        for mine in owned:
+            pieces += [grads[i] for i in mine] + [flags[taken:taken + len(mine)]]
+            taken += len(mine)
             filled = sum(grads[i].numel() for i in mine) + len(mine)
             pieces.append(grads[0].new_zeros(share.segment - filled))
         flat = torch.cat(pieces)
