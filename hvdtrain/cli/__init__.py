@@ -42,8 +42,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         traceback.print_exc()
         code = 1
-    # dist: outside the `except` blocks, as below: the exception's frames, and a data-loader iterator among
-    # them, are freed first. Its workers ignore SIGTERM, and the exit handlers would wait for them for ever.
+    # Outside the `except` blocks, as below: the exception's frames are let go first, and a data-loader
+    # iterator held only by them ends its workers in order (leaving.py kills any a reference cycle keeps).
     _leave_torch_engine(code)
     if argv is None:
         _leave_without_teardown(code)

@@ -14,26 +14,28 @@ def leave_without_teardown(code: int | str | None) -> None:
     flushed, then os._exit. Returns instead, leaving the interpreter's own way out, where a thread that
     is not a daemon (a user's) would still be waited for, or where mpi4py would finalize MPI. A file a
     user's callback left open is not flushed: close it (in on_fit_end)."""
-    import atexit
     import threading
 
     _end_data_loader_workers()  # the interpreter's own way out runs multiprocessing's handler too
     if any(thread.is_alive() and not thread.daemon for thread in threading.enumerate()
            if thread is not threading.current_thread()) or _mpi4py_finalizes_at_teardown():
         return
-    status = _status(code)
-    atexit._run_exitfuncs()
-    _flush_and_exit(status)
+    _leave(code)
 
 
 def leave_at_once(code: int | str | None) -> None:
     """Ends a torch-engine rank whose engine has shut down as `leave_without_teardown` does (the exit
     handlers, a user's too, then the flushes), but always past the interpreter's teardown: its teardown
     of torch.distributed's C++ side can abort."""
+    _end_data_loader_workers()
+    _leave(code)
+
+
+def _leave(code: int | str | None) -> None:
+    """The exit handlers, the flushes, then os._exit with sys.exit's `code` as the status."""
     import atexit
 
     status = _status(code)
-    _end_data_loader_workers()
     atexit._run_exitfuncs()
     _flush_and_exit(status)
 

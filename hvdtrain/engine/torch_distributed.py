@@ -317,6 +317,6 @@ _starts = 0  # process groups this process has started: each fit of the Python A
 
 
 def leaves_at_once() -> bool:
-    """Whether the engine has shut down, so that the process should end at once, without its exit
-    handlers (hvdtrain.cli.leaving.leave_at_once)."""
+    """Whether the engine has shut down, so that the process should end past the interpreter's teardown
+    (hvdtrain.cli.leaving.leave_at_once)."""
     return _leave_at_once
