@@ -35,6 +35,21 @@ class StoppedBySignal(Exception):
 ANOTHER_RANK_FAILED = 76
 
 
+class AnotherRankFailed(Exception):
+    """A script's `hvdtrain.fit` (or evaluate, predict, export) under a launcher: this rank's collective
+    broke off because another rank failed or left. Not this rank's failure: that rank's own error, or its
+    launcher's line, says why. The engine's error (HorovodInternalError, Gloo's) is its __cause__."""
+
+    exit_code = ANOTHER_RANK_FAILED
+
+    @classmethod
+    def of(cls, err: BaseException) -> "AnotherRankFailed":
+        """From the engine's error, with where the job stood (`note_where_the_job_stood`)."""
+        position, resume = where_the_job_stood(err) or ("", "")
+        return cls(f"the job stopped in a collective{f' ({position})' if position else ''}, as another rank "
+                   f"failed or left (its own line, or the launcher's, names it){resume}")
+
+
 class FailedAt(Exception):
     """The user's code (a Dataset, the model, the task) raised on this rank mid-run: one line from
     this rank naming where, exit status 1. The original exception is its __cause__."""

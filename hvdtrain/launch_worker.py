@@ -20,15 +20,22 @@ def main(job_dir: Path) -> None:
 
     from hvdtrain.engine import launcher_rank
 
+    from hvdtrain.errors import AnotherRankFailed
+
     rank = launcher_rank() or 0
     try:
         result = cloudpickle.loads((job_dir / "job.pkl").read_bytes())()
     except BaseException as err:
+        # A rank stopped by another's failure keeps its word for when the failed rank left none, and says
+        # nothing: a line of its own would read as a second failure.
+        survivor = isinstance(err, AnotherRankFailed)
         report = {"rank": rank, "kind": type(err).__name__, "message": str(err).strip(), "at": time.time(),
-                  "traceback": traceback.format_exc()}
+                  "traceback": traceback.format_exc(), "survivor": survivor}
         _write(job_dir / f"error-{rank}.json", json.dumps(report).encode())
-        print(f"hvdtrain: launch: rank {rank} failed: {report['kind']}: {report['message']}", file=sys.stderr, flush=True)
-        os._exit(1)
+        if not survivor:
+            print(f"hvdtrain: launch: rank {rank} failed: {report['kind']}: {report['message']}", file=sys.stderr,
+                  flush=True)
+        os._exit(err.exit_code if survivor else 1)
     if rank == 0:
         _write(job_dir / "result.pkl", cloudpickle.dumps(result))
     sys.stdout.flush()

@@ -117,11 +117,15 @@ def _relay(stream: Any) -> None:
 
 
 def _outcome(job_dir: Path, code: int) -> Any:
-    errors = sorted((json.loads(path.read_text()) for path in job_dir.glob("error-*.json")), key=lambda e: e["at"])
-    if errors:
+    # The rank that failed first; a rank stopped by it only where the failed one left no word (killed).
+    errors = sorted((json.loads(path.read_text()) for path in job_dir.glob("error-*.json")),
+                    key=lambda e: (e.get("survivor", False), e["at"]))
+    if errors and not errors[0].get("survivor"):
         first = errors[0]
         raise LaunchFailed(f"rank {first['rank']} failed: {first['kind']}: {first['message']}", first["rank"],
                            first["kind"], first["message"], first["traceback"])
+    if errors:
+        raise LaunchFailed(f"the processes ended with status {code}: {errors[0]['message']} (their output is above)")
     result = job_dir / "result.pkl"
     if code != 0 or not result.exists():
         raise LaunchFailed(f"the processes ended with status {code} before rank 0 returned (their output is above)")

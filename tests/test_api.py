@@ -79,6 +79,30 @@ def test_a_sweep_that_fails_between_fits_ends_instead_of_hanging(tmp_path):
 
 @pytest.mark.multiprocess
 @requires_launchers
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
+def test_a_script_s_fit_failing_on_one_rank_with_data_workers_raises_on_each_and_the_script_ends(launcher, tmp_path):
+    """Rank 1's data set fails in a data-loader worker. Its fit raises FailedAt naming it; rank 0's raises
+    AnotherRankFailed (not the engine's own error, which reads as a failure of rank 0); the script catches
+    both and ends. Before, the failed fit's workers (kept alive by the exception's frames, and ignoring
+    SIGTERM) kept the interpreter from exiting: the job hung."""
+    import psutil
+
+    started = time.monotonic()
+    done = run([*python_under(launcher), str(SWEEP), str(tmp_path / "r"), "workers-fail"], cwd=tmp_path, timeout=120)
+    assert_ok(done)
+    assert time.monotonic() - started < 60, done.stdout[-2000:]
+    assert re.search(r"rank 1 fit raised hvdtrain\.errors\.FailedAt: rank 1 failed at epoch \d+, step \d+: "
+                     r"OSError: corrupt record", done.stdout), done.stdout[-3000:]
+    assert re.search(r"rank 0 fit raised hvdtrain\.errors\.AnotherRankFailed: the job stopped in a collective "
+                     r"\(epoch \d+, step \d+\), as another rank failed or left", done.stdout), done.stdout[-3000:]
+    assert "rank 0 script ends" in done.stdout and "rank 1 script ends" in done.stdout
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
+    time.sleep(1)
+    assert not [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.multiprocess
+@requires_launchers
 @pytest.mark.parametrize("engine", ["horovod", "torch"])
 def test_launch_from_a_plain_process_trains_as_the_command_and_names_a_failing_rank(engine, command_run, tmp_path):
     """hvdtrain.launch(np=2) from `python`, not under a launcher: the script's training as a function ends

@@ -47,6 +47,24 @@ def batches(dataset: Dataset, sampler: Sampler[list[int]] | list[list[int]], num
                       worker_init_fn=functools.partial(_leave_to_the_rank, stop_signals) if stop_signals else None)
 
 
+def end_workers(batches: Iterable) -> None:
+    """Ends the worker processes of a loader that `batches` made (they persist across epochs) now, as
+    the loader's end would: a failed fit's loaders outlive its exception (in reference cycles with its
+    frames), and their workers, which ignore the stop signals, kept the interpreter from exiting."""
+    iterator = getattr(batches, "_iterator", None) if isinstance(batches, DataLoader) else None
+    if iterator is None:
+        return
+    workers = list(getattr(iterator, "_workers", ()))
+    # torch's own shutdown: idle workers leave at once, a busy one after its batch; one still there after
+    # its wait is sent SIGTERM, which hvdtrain's workers ignore: killed.
+    iterator._shutdown_workers()
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join(5)
+    batches._iterator = None
+
+
 def _leave_to_the_rank(numbers: tuple[int, ...], worker_id: int) -> None:
     """A data-loader worker ignores the stop signals: Slurm sends one to every process of a step and a
     terminal to the whole group, and a worker dying of it would fail the run its rank is stopping with

@@ -60,7 +60,10 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
         stream_plan=start.stream_plan,  # a stream's epoch under way: its ranges are per process
     )
     attempts = _Attempts(trainer, started)
-    return engine.run_elastic(attempts.train, state)
+    try:
+        return engine.run_elastic(attempts.train, state)
+    finally:
+        trainer.end_data_workers()
 
 
 class _Attempts(Hooks):

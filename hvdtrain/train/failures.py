@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from hvdtrain.engine import Engine, RankFailed
-from hvdtrain.errors import (ANOTHER_RANK_FAILED, FailedAt, StoppedBySignal, UserError, message_lines,
-                             note_where_the_job_stood, where, where_the_job_stood)
+from hvdtrain.errors import (ANOTHER_RANK_FAILED, AnotherRankFailed, FailedAt, StoppedBySignal, UserError,
+                             message_lines, note_where_the_job_stood, where)
 from hvdtrain.train.callbacks import StoppedEarly
 
 # dist: how long a rank whose collective broke off waits for the launcher to end it. The failed rank's
@@ -69,9 +69,7 @@ def leave_after_another_rank(err: Exception, rank: int, debug: bool) -> NoReturn
     if debug:
         traceback.print_exc()
     if rank == 0:  # dist: one note, from the rank that holds the run directory
-        position, resume = where_the_job_stood(err) or ("", "")
-        print(f"hvdtrain: the job stopped in a collective{f' ({position})' if position else ''}, as another rank "
-              f"failed or left (its own line, or the launcher's, names it){resume}", file=sys.stderr, flush=True)
+        print(f"hvdtrain: {AnotherRankFailed.of(err)}", file=sys.stderr, flush=True)
     _wait_for_the_launcher(SURVIVOR_WAIT_SECONDS)
     sys.exit(ANOTHER_RANK_FAILED)
 

@@ -29,8 +29,11 @@ def fit_plain(config: Config, engine: Engine, started: float) -> dict[str, Any]:
     # stops the run at its first step with a checkpoint, instead of killing the process.
     with StopSignals(config.run.stop_signals) as signals:
         trainer = Trainer(config, engine, started)
-        trainer.callbacks = _set_up(trainer)
-        return _train(trainer, signals, started)
+        try:
+            trainer.callbacks = _set_up(trainer)
+            return _train(trainer, signals, started)
+        finally:
+            trainer.end_data_workers()
 
 
 def _set_up(trainer: Trainer) -> Callbacks:

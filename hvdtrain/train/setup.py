@@ -17,7 +17,7 @@ from hvdtrain.config.schema import signal_numbers
 from hvdtrain.data import mapped
 from hvdtrain.data.augment import prepared, prepared_batches
 from hvdtrain.data.batch import to_device
-from hvdtrain.data.loading import batches, collate_function, data_workers
+from hvdtrain.data.loading import batches, collate_function, data_workers, end_workers
 from hvdtrain.data.sampler import EvalShardSampler, TrainingSampler
 from hvdtrain.data.stream_sampler import training_sampler
 from hvdtrain.data.streams import StreamDataset
@@ -55,6 +55,13 @@ class Shard:
     train_batches: Any
     val_batches: Any
     steps: StepCount
+    loaders: tuple[Any, ...] = ()
+    """What the batches come from (the DataLoaders, with their workers)."""
+
+    def end_workers(self) -> None:
+        """Ends the loaders' worker processes (training can't go on with this shard after)."""
+        for loader in self.loaders:
+            end_workers(loader)
 
 
 def build(config: Config, engine: Engine) -> Run:
@@ -99,9 +106,9 @@ def shard(run: Run, config: Config, engine: Engine) -> Shard:
     pin = engine.device.type == "cuda"  # pinned host memory lets copies to the GPU overlap compute
     stop = tuple(signal_numbers(config.run.stop_signals))
     val = batches(run.split.val, val_sampler, run.workers[1], pin, run.collate, stop)
-    return Shard(sampler, batches(run.split.train, sampler, run.workers[0], pin, run.collate, stop),
-                 prepared_batches(val, run.split.val, engine.device),  # images: converted on the device
-                 StepCount.of(sampler, accumulate))
+    train = batches(run.split.train, sampler, run.workers[0], pin, run.collate, stop)
+    return Shard(sampler, train, prepared_batches(val, run.split.val, engine.device),  # images: converted on the device
+                 StepCount.of(sampler, accumulate), (train, val))
 
 
 def train_sampler(dataset: Dataset, config: Config, rank: int, size: int, workers: int) -> TrainingSampler:
