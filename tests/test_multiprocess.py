@@ -265,6 +265,21 @@ def test_bad_input_under_each_launcher(launcher, case, tmp_path):
     assert (existing / "untouched" / "conftest.py").read_text() == (ROOT / "tests/conftest.py").read_text()
 
 
+def test_bad_input_that_only_rank_1_meets_before_the_ranks_meet_is_said_by_rank_1(tmp_path):
+    """A config file missing on one host: rank 0 goes on to meet the others, rank 1 waits for rank 0's
+    line that never comes, then says its own. Before, it left without a word and the job ended with
+    status 2 and no reason."""
+    only_rank_1 = 'rank=${HOROVOD_RANK:-${OMPI_COMM_WORLD_RANK:-$RANK}}; [ "$rank" = 1 ] && ' \
+                  'set -- "$@" --set data.batch_size=lots; exec "$@"'
+    done = run([*LAUNCHERS["mpirun"], "sh", "-c", only_rank_1, "sh", "hvdtrain", "fit", "--progress", "off",
+                "--run-dir", str(tmp_path / "r")], timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "Traceback" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if "hvdtrain: error:" in line]
+    assert len(errors) == 1 and "hvdtrain: error: rank 1: config key 'data.batch_size' must be an integer" in errors[0], \
+        output[-3000:]
+
+
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
 def test_a_failure_on_one_rank_stops_all_with_its_cause(launcher, tmp_path):
     done = fit_under(launcher, "--data", "user_code:fails_on_one_rank", "--run-dir", str(tmp_path / "r"), timeout=90)

@@ -60,14 +60,34 @@ def test_the_rank_before_any_engine_under_slurm(variables, rank, monkeypatch):
     from hvdtrain.engine import launcher_rank
     from hvdtrain.engine.environment import plain_srun_rank as _plain_srun_rank
 
+    _launched_with(variables, monkeypatch)
+    assert launcher_rank() == rank
+    # dist: only where no MPI plugin set a rank does the torch engine take Slurm's
+    assert (_plain_srun_rank() is not None) == (rank is not None and "PMIX_RANK" not in variables)
+
+
+@pytest.mark.parametrize("variables, ends", [
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "1"}, True),
+    ({"HOROVOD_RANK": "1"}, True),  # horovodrun --gloo
+    ({"OMPI_COMM_WORLD_RANK": "1"}, True),  # mpirun, horovodrun over MPI
+    ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"}, False),  # srun without --kill-on-bad-exit
+    ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1", "PMIX_RANK": "1"}, False),
+], ids=["torchrun", "horovodrun-gloo", "mpirun", "plain-srun", "srun-pmix"])
+def test_which_launchers_end_the_job_once_one_rank_fails(variables, ends, monkeypatch):
+    """A quiet rank still there after its wait speaks only where rank 0's exit would have ended it."""
+    from hvdtrain.engine.environment import launcher_ends_the_job_on_a_failure
+
+    _launched_with(variables, monkeypatch)
+    assert launcher_ends_the_job_on_a_failure() == ends
+
+
+def _launched_with(variables: dict[str, str], monkeypatch) -> None:
+    """This process's environment as a launcher that sets only `variables` would leave it."""
     for name in [*os.environ]:
         if name.startswith(("SLURM_", "OMPI_", "PMI", "HOROVOD_", "TORCHELASTIC_")):
             monkeypatch.delenv(name)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
-    assert launcher_rank() == rank
-    # dist: only where no MPI plugin set a rank does the torch engine take Slurm's
-    assert (_plain_srun_rank() is not None) == (rank is not None and "PMIX_RANK" not in variables)
 
 
 def test_buckets_follow_backward_order_and_start_small():

@@ -15,9 +15,11 @@ from hvdtrain.errors import RendezvousFailed, StoppedBySignal, UserError
 
 # dist: how long a rank that stays quiet about an error waits before it exits. Launchers stop every
 # rank once one exits; a quiet rank leaving first would cut off rank 0 before its line (a rank 0 that
-# started a second late, on a loaded host, was). Rank 0's exit ends the wait sooner: its launcher
-# stops the others then, so the wait costs nothing where rank 0 fails too.
-QUIET_RANK_WAIT_SECONDS = 10.0
+# started late on a loaded host was, after a 10 s wait; imports from a cluster's shared file system
+# can differ by as much between ranks). Rank 0's exit ends the wait sooner: its launcher stops the
+# others then, so the wait costs nothing where rank 0 fails too.
+QUIET_RANK_WAIT_SECONDS = 30.0
+SRUN_QUIET_RANK_WAIT_SECONDS = 10.0
 
 
 def command_engine(debug: bool, **engine_args: Any) -> ContextManager[Any]:
@@ -62,13 +64,20 @@ AFTER_RANK_0_SECONDS = 3.0
 
 def fail(message: str, code: int, debug: bool, every_rank: bool = False, wait: bool = True) -> NoReturn:
     from hvdtrain.engine import launcher_rank
+    from hvdtrain.engine.environment import launcher_ends_the_job_on_a_failure
 
     if debug:
         traceback.print_exc()
-    if every_rank or (launcher_rank() or 0) == 0:  # dist: one line from rank 0, not one per rank
+    rank = launcher_rank() or 0
+    if every_rank or rank == 0:  # dist: one line from rank 0, not one per rank
         click.echo(f"hvdtrain: error: {message}", err=True)
-    elif wait:
+    elif wait and launcher_ends_the_job_on_a_failure():
         time.sleep(QUIET_RANK_WAIT_SECONDS)
+        # Still here: rank 0 did not fail this way (its exit would have ended the job), a config file
+        # missing on this host, say. Left quiet, the job would end without a word of why.
+        click.echo(f"hvdtrain: error: rank {rank}: {message}", err=True)
+    elif wait:  # srun: it ends the other tasks only when told to (--kill-on-bad-exit), and rank 0's line
+        time.sleep(SRUN_QUIET_RANK_WAIT_SECONDS)  # ends nothing: a second line would repeat it
     sys.exit(code)
 
 

@@ -29,6 +29,12 @@ def torchrun_launched() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def launcher_ends_the_job_on_a_failure() -> bool:
+    """Whether the launcher stops every process once one exits with a failure: torchrun's agent,
+    horovodrun and Open MPI's mpirun do; srun does only when told to (--kill-on-bad-exit)."""
+    return torchrun_launched() or "HOROVOD_RANK" in os.environ or OPEN_MPI[0] in os.environ
+
+
 def environment_rank() -> int | None:
     """This process's rank as its launcher set it, or None when no launcher started it."""
     if torchrun_launched() and TORCHRUN[0] in os.environ:
