@@ -14,6 +14,10 @@ import traceback
 from pathlib import Path
 
 
+# How long a rank stopped by another's failure waits before it exits (the launcher ends it sooner).
+SURVIVOR_WAIT_SECONDS = 3.0
+
+
 def main(job_dir: Path) -> None:
     """One process of a launch: runs the job; rank 0 keeps its result, a failing rank its error."""
     import cloudpickle
@@ -35,6 +39,8 @@ def main(job_dir: Path) -> None:
         if not survivor:
             print(f"hvdtrain: launch: rank {rank} failed: {report['kind']}: {report['message']}", file=sys.stderr,
                   flush=True)
+        else:  # the failed rank's report and exit first: the launcher names the first to exit
+            time.sleep(SURVIVOR_WAIT_SECONDS)
         os._exit(err.exit_code if survivor else 1)
     if rank == 0:
         _write(job_dir / "result.pkl", cloudpickle.dumps(result))

@@ -81,6 +81,21 @@ def test_which_launchers_end_the_job_once_one_rank_fails(variables, ends, monkey
     assert launcher_ends_the_job_on_a_failure() == ends
 
 
+def test_a_user_s_error_that_speaks_of_a_connection_reset_is_not_another_rank_s_failure():
+    """Only what torch.distributed or the engine raised is taken for a broken collective: a data set
+    reading a network file system raised this, and it was taken for another rank's failure (the failed
+    rank, its own error unsaid, left as a survivor)."""
+    from hvdtrain.engine.torch_distributed import is_collective_failure
+
+    def read_shard():
+        raise RuntimeError("reading /mnt/nfs/part-1: Connection reset by peer")
+
+    with pytest.raises(RuntimeError) as raised:
+        read_shard()
+    assert not is_collective_failure(raised.value)
+    assert is_collective_failure(torch.distributed.DistNetworkError("Connection reset by peer"))
+
+
 def _launched_with(variables: dict[str, str], monkeypatch) -> None:
     """This process's environment as a launcher that sets only `variables` would leave it."""
     for name in [*os.environ]:

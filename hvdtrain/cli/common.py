@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -72,13 +73,26 @@ def fail(message: str, code: int, debug: bool, every_rank: bool = False, wait: b
     if every_rank or rank == 0:  # dist: one line from rank 0, not one per rank
         click.echo(f"hvdtrain: error: {message}", err=True)
     elif wait and launcher_ends_the_job_on_a_failure():
-        time.sleep(QUIET_RANK_WAIT_SECONDS)
+        time.sleep(_quiet_rank_wait())
         # Still here: rank 0 did not fail this way (its exit would have ended the job), a config file
         # missing on this host, say. Left quiet, the job would end without a word of why.
         click.echo(f"hvdtrain: error: rank {rank}: {message}", err=True)
     elif wait:  # srun: it ends the other tasks only when told to (--kill-on-bad-exit), and rank 0's line
         time.sleep(SRUN_QUIET_RANK_WAIT_SECONDS)  # ends nothing: a second line would repeat it
     sys.exit(code)
+
+
+def _quiet_rank_wait() -> float:
+    """QUIET_RANK_WAIT_SECONDS, but under horovodrun --gloo half of Gloo's rendezvous timeout (30 s
+    unless HOROVOD_GLOO_TIMEOUT_SECONDS): a rank 0 that did not fail waits there for this rank, and
+    aborts at the timeout (SIGABRT, named as the failure) unless this rank has spoken and left first."""
+    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ:
+        return QUIET_RANK_WAIT_SECONDS
+    try:
+        timeout = float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "30"))
+    except ValueError:
+        timeout = 30.0
+    return min(QUIET_RANK_WAIT_SECONDS, timeout / 2)
 
 
 def is_rank_0() -> bool:

@@ -47,22 +47,44 @@ def batches(dataset: Dataset, sampler: Sampler[list[int]] | list[list[int]], num
                       worker_init_fn=functools.partial(_leave_to_the_rank, stop_signals) if stop_signals else None)
 
 
-def end_workers(batches: Iterable) -> None:
+def end_workers(batches: Iterable, at_once: bool = False) -> None:
     """Ends the worker processes of a loader that `batches` made (they persist across epochs) now, as
     the loader's end would: a failed fit's loaders outlive its exception (in reference cycles with its
-    frames), and their workers, which ignore the stop signals, kept the interpreter from exiting."""
+    frames), and their workers, which ignore the stop signals, kept the interpreter from exiting.
+    `at_once` (a failure, a stop): killed, not waited for (a hung worker cost torch's shutdown 10 s)."""
     iterator = getattr(batches, "_iterator", None) if isinstance(batches, DataLoader) else None
     if iterator is None:
         return
-    workers = list(getattr(iterator, "_workers", ()))
-    # torch's own shutdown: idle workers leave at once, a busy one after its batch; one still there after
-    # its wait is sent SIGTERM, which hvdtrain's workers ignore: killed.
-    iterator._shutdown_workers()
-    for worker in workers:
-        if worker.is_alive():
-            worker.kill()
-            worker.join(5)
     batches._iterator = None
+    workers = list(getattr(iterator, "_workers", ()))
+    try:
+        if at_once:
+            _forget_workers(iterator)
+        else:  # torch's own shutdown: idle workers leave at once, a busy one after its batch
+            iterator._shutdown_workers()
+    finally:  # also where a second Ctrl-C cut the shutdown short: a worker left would hold the exit
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()  # SIGTERM, torch's last word, is ignored by hvdtrain's workers
+        for worker in workers:
+            worker.join(5)
+
+
+def _forget_workers(iterator: Any) -> None:
+    """What torch's shutdown does for a loader's workers, without waiting for them: they are killed
+    next. Taken off torch's SIGCHLD watch first, which would raise for a worker killed on purpose."""
+    from torch.utils.data._utils import signal_handling
+
+    iterator._shutdown = True  # the loader's own end does nothing more
+    if getattr(iterator, "_worker_pids_set", False):
+        signal_handling._remove_worker_pids(id(iterator))
+        iterator._worker_pids_set = False
+    done = getattr(iterator, "_pin_memory_thread_done_event", None)
+    if done is not None:
+        done.set()  # the pin-memory thread (CUDA) ends at its next poll
+    for queue in getattr(iterator, "_index_queues", ()):
+        queue.cancel_join_thread()  # nothing will read what is left in them
+        queue.close()
 
 
 def _leave_to_the_rank(numbers: tuple[int, ...], worker_id: int) -> None:

@@ -81,6 +81,7 @@ def running_engine(on_failure: Callable[[Exception], None] | None = None, **engi
     the other ranks as soon as one exits, and rank 0 must have said why by then.
     """
     engine = start_engine(**engine_args)
+    others = engine.size > 1
     finished = False
     try:
         yield engine
@@ -90,7 +91,7 @@ def running_engine(on_failure: Callable[[Exception], None] | None = None, **engi
         finished = isinstance(err, StoppedBySignal)
         if on_failure is not None:
             on_failure(err)
-        elif collective_failure(err):  # a script's: one exception that says so, not the engine's own
+        elif others and engine.is_engine_signal(err):  # a script's: one exception that says so, not the engine's
             raise AnotherRankFailed.of(err) from err
         raise
     finally:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -39,7 +41,18 @@ def is_collective_failure(err: BaseException) -> bool:
     types, or the RuntimeError Gloo raises on a surviving rank. Not this rank's fault to report."""
     if isinstance(err, (dist.DistBackendError, dist.DistNetworkError)):
         return True
-    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in _PEER_GONE)
+    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in _PEER_GONE) \
+        and _raised_in_a_collective(err)
+
+
+def _raised_in_a_collective(err: BaseException) -> bool:
+    """Raised by torch.distributed or this engine, not by a user's data set, model or library whose
+    own error speaks of a connection reset by peer (a network file system's, say)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and any(home in Path(frames[-1].filename).parents for home in _COLLECTIVES_HOMES)
+
+
+_COLLECTIVES_HOMES = (Path(dist.__file__).parent, Path(__file__).parent)
 
 
 def _required_facts() -> tuple[int, int, int, int]:

@@ -61,9 +61,12 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
     )
     attempts = _Attempts(trainer, started)
     try:
-        return engine.run_elastic(attempts.train, state)
-    finally:
-        trainer.end_data_workers()
+        summary = engine.run_elastic(attempts.train, state)
+    except BaseException:
+        trainer.end_data_workers(at_once=True)
+        raise
+    trainer.end_data_workers()
+    return summary
 
 
 class _Attempts(Hooks):

@@ -31,9 +31,12 @@ def fit_plain(config: Config, engine: Engine, started: float) -> dict[str, Any]:
         trainer = Trainer(config, engine, started)
         try:
             trainer.callbacks = _set_up(trainer)
-            return _train(trainer, signals, started)
-        finally:
-            trainer.end_data_workers()
+            summary = _train(trainer, signals, started)
+        except BaseException:
+            trainer.end_data_workers(at_once=True)
+            raise
+        trainer.end_data_workers()
+        return summary
 
 
 def _set_up(trainer: Trainer) -> Callbacks:

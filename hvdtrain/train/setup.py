@@ -58,10 +58,16 @@ class Shard:
     loaders: tuple[Any, ...] = ()
     """What the batches come from (the DataLoaders, with their workers)."""
 
-    def end_workers(self) -> None:
-        """Ends the loaders' worker processes (training can't go on with this shard after)."""
-        for loader in self.loaders:
-            end_workers(loader)
+    def end_workers(self, at_once: bool = False) -> None:
+        """Ends the loaders' worker processes (training can't go on with this shard after); `at_once`:
+        killed, not waited for."""
+        left = list(self.loaders)
+        try:
+            while left:
+                end_workers(left.pop(0), at_once)
+        finally:  # a Ctrl-C cut one short: the others' workers still end
+            for loader in left:
+                end_workers(loader, at_once=True)
 
 
 def build(config: Config, engine: Engine) -> Run:

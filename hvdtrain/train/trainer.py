@@ -106,15 +106,16 @@ class Trainer:
 
     def reshard(self) -> None:
         """This rank's batches for the processes there are now."""
-        self.end_data_workers()  # the last attempt's: a lost process's exception may keep them alive
+        self.end_data_workers(at_once=True)  # the last attempt's: a lost process's exception may keep them alive
         self.shard = shard(self.run, self.config, self.engine)
 
-    def end_data_workers(self) -> None:
+    def end_data_workers(self, at_once: bool = False) -> None:
         """Ends the data loaders' worker processes, on every way out of fit: a failure's frames keep
-        the loaders alive, and their workers would keep the process (a user's script too) from exiting."""
+        the loaders alive, and their workers would keep the process (a user's script too) from exiting.
+        `at_once` (a failure): killed, not waited for."""
         current = getattr(self, "shard", None)
         if current is not None:
-            current.end_workers()
+            current.end_workers(at_once)
 
     def begin(self, run_dir: Path, start: Start, totals: Totals) -> int:
         """The components for the processes there are now, from `start`: the learning rate (the run's own
