@@ -83,6 +83,10 @@ CASES = {
     "class count unknown": (["--data", "user_code:int_labels", "--model", "user_code:needs_num_classes"],
                             "takes num_classes, but the data set does not say how many classes it has: set "
                             "data.num_classes"),
+    # The built-in model: before, one label a sample made it one output, refused as "one class".
+    "class count unknown, built-in model": (["--data", "user_code:int_labels"],
+                                            "model 'mlp' needs the number of outputs, and the data set does not say "
+                                            "how many classes it has: set data.num_classes"),
     "best metric the task lacks": (["--set", "run.best_metric=val_f1"],
                                    "run.best_metric 'val_f1' is not a metric of task classification"),
     "adasum with fp16": (["--adasum", "--precision", "fp16"], "'train.adasum' does not work with precision fp16"),

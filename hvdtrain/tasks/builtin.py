@@ -47,6 +47,11 @@ class Classification(Task):
     def __init__(self, label_smoothing: float = 0.0, ignore_index: int = -100, target_key: str = "labels"):
         self.label_smoothing, self.ignore_index, self.target_key = label_smoothing, ignore_index, target_key
 
+    def num_outputs(self, num_classes: int | None, target_shape: tuple[int, ...] | None) -> int | None:
+        if num_classes is None and target_shape == ():  # one label a sample: how many classes is unknown, not 1
+            return None
+        return super().num_outputs(num_classes, target_shape)
+
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(predictions(output), target, label_smoothing=self.label_smoothing,
                                ignore_index=self.ignore_index)
