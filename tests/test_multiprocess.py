@@ -278,8 +278,8 @@ def test_bad_input_that_only_rank_1_meets_before_the_ranks_meet_is_said_by_rank_
     output = done.stdout + done.stderr
     assert done.returncode != 0 and "Traceback" not in output, output[-3000:]
     errors = [line for line in output.splitlines() if "hvdtrain: error:" in line]
-    assert len(errors) == 1 and "hvdtrain: error: rank 1: config key 'data.batch_size' must be an integer" in errors[0], \
-        output[-3000:]
+    said = "hvdtrain: error: rank 1: config key 'data.batch_size' must be an integer"
+    assert len(errors) == 1 and said in errors[0], output[-3000:]
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])

@@ -22,8 +22,8 @@ from hvdtrain.engine.environment import available_cores, environment_rank, plain
 from hvdtrain.engine.local import LocalEngine
 from hvdtrain.errors import AnotherRankFailed, StoppedBySignal, UserError
 
-__all__ = ["Engine", "GradientSync", "LocalEngine", "RankFailed", "available_cores", "collective_failure", "launcher_rank",
-           "running_engine", "start_engine"]
+__all__ = ["Engine", "GradientSync", "LocalEngine", "RankFailed", "available_cores", "collective_failure",
+           "launcher_rank", "running_engine", "start_engine"]
 
 _started: Engine | None = None  # the Horovod engine, once started
 
