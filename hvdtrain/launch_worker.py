@@ -23,7 +23,6 @@ def main(job_dir: Path) -> None:
     import cloudpickle
 
     from hvdtrain.engine import launcher_rank
-
     from hvdtrain.errors import AnotherRankFailed
 
     rank = launcher_rank() or 0

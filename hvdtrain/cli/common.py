@@ -35,7 +35,7 @@ def command_engine(debug: bool, **engine_args: Any) -> ContextManager[Any]:
 
 def report_and_exit(err: Exception, debug: bool) -> None:
     """Exits with one line for a user error or another rank's failure; returns for anything else."""
-    from hvdtrain.engine import RankFailed, collective_failure, launcher_rank
+    from hvdtrain.engine import RankFailed, launcher_rank
     from hvdtrain.errors import FailedAt
 
     if isinstance(err, RendezvousFailed):
@@ -52,10 +52,17 @@ def report_and_exit(err: Exception, debug: bool) -> None:
         fail(str(err), err.exit_code, debug, every_rank=True)
     if isinstance(err, RankFailed):
         fail(str(err), UserError.exit_code if err.kind == "UserError" else 1, debug)
-    if collective_failure(err):  # another rank's failure: the failed rank, or its launcher, names it
+    if _collective_failure(err):  # another rank's failure: the failed rank, or its launcher, names it
         from hvdtrain.train.failures import leave_after_another_rank
 
         leave_after_another_rank(err, launcher_rank() or 0, debug)
+
+
+def _collective_failure(err: Exception) -> bool:
+    """The running engine's word that a collective failed because another rank failed or left
+    (asked of the engines loaded, so a torch-only install never imports Horovod for it)."""
+    engines = (sys.modules.get(name) for name in ("hvdtrain.engine.horovod", "hvdtrain.engine.torch_distributed"))
+    return any(engine is not None and engine.is_collective_failure(err) for engine in engines)
 
 
 # Bad data met mid-run on a rank other than 0 is said by that rank, after this long: where rank 0

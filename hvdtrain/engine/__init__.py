@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -22,8 +21,8 @@ from hvdtrain.engine.environment import available_cores, environment_rank, plain
 from hvdtrain.engine.local import LocalEngine
 from hvdtrain.errors import AnotherRankFailed, StoppedBySignal, UserError
 
-__all__ = ["Engine", "GradientSync", "LocalEngine", "RankFailed", "available_cores", "collective_failure",
-           "launcher_rank", "running_engine", "start_engine"]
+__all__ = ["Engine", "GradientSync", "LocalEngine", "RankFailed", "available_cores", "launcher_rank", "running_engine",
+           "start_engine"]
 
 _started: Engine | None = None  # the Horovod engine, once started
 
@@ -96,13 +95,6 @@ def running_engine(on_failure: Callable[[Exception], None] | None = None, **engi
         raise
     finally:
         engine.shutdown(finished)
-
-
-def collective_failure(err: BaseException) -> bool:
-    """The running engine's word that a collective failed because another rank failed or left
-    (asked of the engines loaded, so a torch-only install never imports Horovod for it)."""
-    engines = (sys.modules.get(name) for name in ("hvdtrain.engine.horovod", "hvdtrain.engine.torch_distributed"))
-    return any(engine is not None and engine.is_collective_failure(err) for engine in engines)
 
 
 def _start(engine_type: Any, device: str, threads: int, stall_timeout: int) -> Engine:

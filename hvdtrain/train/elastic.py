@@ -60,13 +60,8 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
         stream_plan=start.stream_plan,  # a stream's epoch under way: its ranges are per process
     )
     attempts = _Attempts(trainer, started)
-    try:
-        summary = engine.run_elastic(attempts.train, state)
-    except BaseException:
-        trainer.end_data_workers(at_once=True)
-        raise
-    trainer.end_data_workers()
-    return summary
+    with trainer.ending_data_workers():
+        return engine.run_elastic(attempts.train, state)
 
 
 class _Attempts(Hooks):

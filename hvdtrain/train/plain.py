@@ -29,14 +29,9 @@ def fit_plain(config: Config, engine: Engine, started: float) -> dict[str, Any]:
     # stops the run at its first step with a checkpoint, instead of killing the process.
     with StopSignals(config.run.stop_signals) as signals:
         trainer = Trainer(config, engine, started)
-        try:
+        with trainer.ending_data_workers():
             trainer.callbacks = _set_up(trainer)
-            summary = _train(trainer, signals, started)
-        except BaseException:
-            trainer.end_data_workers(at_once=True)
-            raise
-        trainer.end_data_workers()
-        return summary
+            return _train(trainer, signals, started)
 
 
 def _set_up(trainer: Trainer) -> Callbacks:

@@ -61,12 +61,11 @@ class Shard:
     def end_workers(self, at_once: bool = False) -> None:
         """Ends the loaders' worker processes (training can't go on with this shard after); `at_once`:
         killed, not waited for."""
-        left = list(self.loaders)
         try:
-            while left:
-                end_workers(left.pop(0), at_once)
-        finally:  # a Ctrl-C cut one short: the others' workers still end
-            for loader in left:
+            for loader in self.loaders:
+                end_workers(loader, at_once)
+        finally:  # a Ctrl-C cut one short: the others' are killed (a loader whose workers ended has none left)
+            for loader in self.loaders:
                 end_workers(loader, at_once=True)
 
 

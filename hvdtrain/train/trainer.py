@@ -6,12 +6,13 @@ elastic training adds its commits as `Hooks`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -109,10 +110,19 @@ class Trainer:
         self.end_data_workers(at_once=True)  # the last attempt's: a lost process's exception may keep them alive
         self.shard = shard(self.run, self.config, self.engine)
 
+    @contextlib.contextmanager
+    def ending_data_workers(self) -> Iterator[None]:
+        """The fit inside, then the data loaders' worker processes ended, on every way out: a failure's
+        frames keep the loaders alive, and their workers would keep the process (a user's script too)
+        from exiting. After a failure or a stop they are killed, not waited for."""
+        try:
+            yield
+        except BaseException:
+            self.end_data_workers(at_once=True)
+            raise
+        self.end_data_workers()
+
     def end_data_workers(self, at_once: bool = False) -> None:
-        """Ends the data loaders' worker processes, on every way out of fit: a failure's frames keep
-        the loaders alive, and their workers would keep the process (a user's script too) from exiting.
-        `at_once` (a failure): killed, not waited for."""
         current = getattr(self, "shard", None)
         if current is not None:
             current.end_workers(at_once)
