@@ -4,6 +4,7 @@ Debian), 2 tasks through `srun --mpi=pmix`; `scancel` ends every task and `--res
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -55,7 +56,13 @@ def _wait(env: dict, job: str, timeout: float = 300) -> str:
         if state not in UNDER_WAY:
             return state
         time.sleep(0.5)
-    raise AssertionError(f"job {job} still {state} after {timeout} s")
+    # The one node is the next tests' too: the job ends here, and its log says where it was.
+    shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True, timeout=10)
+    subprocess.run(["scancel", job], env=env, timeout=10)
+    found = re.search(r"StdOut=(\S+)", shown.stdout)
+    log = Path(found.group(1)) if found else None
+    raise AssertionError(f"job {job} still {state} after {timeout} s (cancelled now); its log ends:\n"
+                         f"{log.read_text()[-3000:] if log and log.exists() else '(none)'}")
 
 
 def _start_again_once_requeued(env: dict, job: str, log: Path, timeout: float) -> None:
@@ -152,6 +159,29 @@ def test_plain_srun_without_an_mpi_plugin_is_one_run_of_two_tasks(cluster):
     errors = [line for line in log.splitlines() if "hvdtrain: error:" in line]
     assert len(errors) == 1 and "srun started 2 tasks without an MPI plugin" in errors[0], log[-3000:]
     assert "refused: 2" in log and "Traceback" not in log and not (root / "never").exists()
+
+
+def test_a_port_in_use_under_plain_srun_ends_every_task_with_rank_0_s_line(cluster):
+    """MASTER_PORT held by another process on rank 0's node: rank 0 cannot host the rendezvous and says
+    so. srun alone does not end the other task, which would wait for rank 0 until the rendezvous
+    timeout (6 minutes, the job held all along): rank 0 ends its step, and the job ends in seconds."""
+    root, env = cluster
+    run_dir = root / "port-taken"
+    with socket.socket() as taken:  # listening, never answering: a rank 1 that reached it would hang
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        script = root / "port-taken.sh"
+        script.write_text("#!/bin/bash\nexport MASTER_ADDR=127.0.0.1 MASTER_PORT="
+                          f"{taken.getsockname()[1]}\nsrun -n 2 hvdtrain fit --engine torch --run-dir {run_dir} "
+                          '"$@"; echo "srun exited $?"\n')
+        job = _submit(env, root, script=script)
+        state = _wait(env, job, timeout=90)
+    log = (root / f"job-{job}.log").read_text()
+    errors = [line for line in log.splitlines() if "hvdtrain: error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("hvdtrain: error: rank 0: the ranks could not meet") and \
+        "port may be in use" in errors[0], log[-3000:]
+    assert state == "COMPLETED" and "srun exited 0" not in log and "Traceback" not in log, log[-3000:]
+    assert not (run_dir / "checkpoints").exists()
 
 
 def test_the_torch_engine_across_nodes_meets_on_the_step_s_first_node(cluster):

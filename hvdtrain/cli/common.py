@@ -39,7 +39,9 @@ def report_and_exit(err: Exception, debug: bool) -> None:
     from hvdtrain.errors import FailedAt
 
     if isinstance(err, RendezvousFailed):
-        fail(str(err), err.exit_code, debug, every_rank=True)
+        # dist: rank 0 hosts the rendezvous; where it could not (its port taken), the others wait for it
+        # until the timeout (minutes) unless something ends them: srun alone does not
+        fail(str(err), err.exit_code, debug, every_rank=True, end_srun_step=True)
     if isinstance(err, UserError):
         fail(str(err), err.exit_code, debug)
     if isinstance(err, StoppedBySignal):
@@ -70,16 +72,22 @@ def _collective_failure(err: Exception) -> bool:
 AFTER_RANK_0_SECONDS = 3.0
 
 
-def fail(message: str, code: int, debug: bool, every_rank: bool = False, wait: bool = True) -> NoReturn:
-    from hvdtrain.engine import launcher_rank
-    from hvdtrain.engine.environment import launcher_ends_the_job_on_a_failure
+def fail(message: str, code: int, debug: bool, every_rank: bool = False, wait: bool = True,
+         end_srun_step: bool = False) -> NoReturn:
+    """Exits with `code` after one line of `message` from rank 0 (`every_rank`: from each rank that
+    fails so). `end_srun_step`: rank 0 then cancels its srun step, whose other tasks would wait for it."""
+    from hvdtrain.engine import environment, launcher_rank
 
     if debug:
         traceback.print_exc()
     rank = launcher_rank() or 0
     if every_rank or rank == 0:  # dist: one line from rank 0, not one per rank
         click.echo(f"hvdtrain: error: {message}", err=True)
-    elif wait and launcher_ends_the_job_on_a_failure():
+        step = environment.srun_step_left_waiting() if end_srun_step and rank == 0 else None
+        if step:
+            environment.end_srun_step(step)
+        sys.exit(code)
+    if wait and environment.launcher_ends_the_job_on_a_failure():
         time.sleep(_quiet_rank_wait())
         # Still here: rank 0 did not fail this way (its exit would have ended the job), a config file
         # missing on this host, say. Left quiet, the job would end without a word of why.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 
 # (rank, world size, local rank, local size) as each launcher names them.
@@ -105,14 +106,45 @@ def slurm_first_node() -> str | None:
     return first[0] if shown.returncode == 0 and first else None
 
 
+# Where port_for_job picks: from torchrun's 29500 up to below Linux's ephemeral ports (32768 on): any
+# outgoing connection on the host may hold one of those, and rank 0 could not listen there.
+JOB_PORTS = (29500, 3000)
+
+
 def port_for_job() -> int:
     """The same port on every rank of one job, different across jobs: Open MPI's job id, or Slurm's
     job and step ids (two steps of one allocation may run at once on one node)."""
     job = os.environ.get("OMPI_MCA_ess_base_jobid") or os.environ.get("SLURM_JOB_ID") or "0"
     digits = "".join(c for c in job if c.isdigit()) or "0"
     step = os.environ.get("SLURM_STEP_ID", "0") if "OMPI_MCA_ess_base_jobid" not in os.environ else "0"
-    # 7919 is prime to 20000: the steps of one job (and the jobs of one step number) get distinct ports.
-    return 29500 + (int(digits) + 7919 * (int(step) if step.isdigit() else 0)) % 20000
+    # 7919 is prime to 3000: the steps of one job (and the jobs of one step number) get distinct ports.
+    first, count = JOB_PORTS
+    return first + (int(digits) + 7919 * (int(step) if step.isdigit() else 0)) % count
+
+
+def srun_step_left_waiting() -> str | None:
+    """`JOB.STEP` of the srun step of several tasks this process is one of, where no launcher of its
+    own ends the other tasks when this one fails (srun does only with --kill-on-bad-exit); None
+    elsewhere."""
+    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+    try:
+        several = int(os.environ.get("SLURM_STEP_NUM_TASKS", "0")) > 1
+    except ValueError:
+        return None
+    if not (job and step and several) or launcher_ends_the_job_on_a_failure():
+        return None
+    return f"{job}.{step}"
+
+
+def end_srun_step(step: str) -> None:
+    """Sends the tasks of srun step `step` SIGTERM, which ends them while they start (its default
+    action); this process, which is leaving with its own status, ignores it. Not a cancel: Slurm
+    would SIGKILL this process too, and srun report every task killed."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        subprocess.run(["scancel", "--quiet", "--signal=TERM", step], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        pass  # no scancel here: the others wait out the rendezvous timeout, and say so
 
 
 def available_cores() -> int:
