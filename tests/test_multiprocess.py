@@ -61,12 +61,17 @@ def test_a_rank_failing_with_data_loader_workers_ends_at_once_and_is_the_one_nam
     _assert_ends_naming_rank_1(output, launcher, "exited with status 1")
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "horovodrun-gloo"])
 def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_path, request):
     """The same config under torch.distributed (Gloo) and under Horovod (the shared horovodrun run)."""
     horovod_dir, _ = digits_np2
     if launcher == "torchrun":  # --engine auto picks torch; the shared run
         run_dir, done = request.getfixturevalue("digits_torchrun")
+    elif launcher == "horovodrun-gloo":  # rank and size from horovodrun's own variables (no MPI's there)
+        run_dir = tmp_path / "run"
+        done = run([*LAUNCHERS[launcher], "hvdtrain", "fit", "--progress", "off", "--epochs", "3", "--log-every", "4",
+                    "--run-dir", str(run_dir), "--engine", "torch"], cwd=tmp_path)
+        assert done.stderr.count("rendezvous env://127.0.0.1:") == 2, done.stderr[-3000:]
     else:  # ranks meet at a tcp:// address, as init_process_group(init_method="tcp://...") in a tutorial
         port = free_port()
         run_dir = tmp_path / "run"
@@ -230,13 +235,16 @@ BAD = {
                                     "fewer than one optimizer step needs (batch 1 x 2 processes"),
     "loss not a scalar": (["--data", "user_code:blobs", "--model", "user_code:tiny_net", "--task",
                            "user_code:per_sample_loss"], "returned a tensor of shape (64,), not a scalar"),
+    # Horovod in a process torchrun started is a world of one: two runs of one in one directory, once
+    "Horovod engine under torchrun": (["--engine", "horovod"], "torchrun started 2 processes, which the Horovod engine"),
 }
 
 
 # Under every launcher, whose output is merged differently, the first and the last path; the two
 # between them once on each engine (they fail on every rank alike, as the first path does).
 BAD_RUNS = [(launcher, case) for launcher in LAUNCHERS for case in ("wrong config type", "loss not a scalar")] + [
-    ("torchrun", "factory does not import"), ("horovodrun-gloo", "more processes than samples")]
+    ("torchrun", "factory does not import"), ("horovodrun-gloo", "more processes than samples"),
+    ("torchrun", "Horovod engine under torchrun")]
 
 
 # Rank 0 starts this long after the others in the command-line case: launchers stop every rank once

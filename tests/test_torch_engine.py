@@ -50,6 +50,21 @@ def test_two_steps_of_one_slurm_job_meet_at_different_ports(monkeypatch):
 EPHEMERAL_PORTS_FROM = 32768
 
 
+def test_horovodrun_gloo_s_variables_give_the_torch_engine_its_ranks_and_a_port_of_the_run(monkeypatch):
+    from hvdtrain.engine.environment import port_for_job
+
+    for name in [*os.environ]:
+        if name.startswith(("SLURM_", "OMPI_", "HOROVOD_", "PMI")):
+            monkeypatch.delenv(name)
+    for name, value in {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2",
+                        "HOROVOD_GLOO_RENDEZVOUS_PORT": "17782"}.items():
+        monkeypatch.setenv(name, value)
+    assert launcher_facts() == (3, 4, 1, 2)
+    first = port_for_job()
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", "17783")  # the next run's
+    assert port_for_job() != first and all(29500 <= port < EPHEMERAL_PORTS_FROM for port in (first, port_for_job()))
+
+
 def test_torchrun_s_variables_come_first(monkeypatch):
     for name, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                         "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", **SLURM}.items():

@@ -59,6 +59,9 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
     # dist: Slurm's own variables are all that plain srun gives; the torch engine reads them.
     if kind == "torch" or (kind == "auto" and (torchrun_launched() or plain_srun)):
         return _start(TorchEngine, device, threads, stall_timeout)
+    if kind == "horovod" and torchrun_launched():  # each process would be a Horovod of one, in one run directory
+        raise UserError(f"torchrun started {os.environ.get('WORLD_SIZE', 'its')} processes, which the Horovod engine "
+                        "cannot join: --engine torch (or leave --engine out), or start them with horovodrun or mpirun")
     if kind == "horovod" and plain_srun:
         raise UserError(f"srun started {os.environ['SLURM_STEP_NUM_TASKS']} tasks without an MPI plugin, which the "
                         "Horovod engine needs: srun --mpi=pmix (as launch/slurm.sbatch does), or --engine torch")

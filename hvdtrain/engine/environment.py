@@ -3,7 +3,8 @@ from horovodrun, mpirun (Open MPI), PMI/PMIx, torchrun and Slurm's srun; local r
 per-node task lists); the step's first node and a port per job; the cores this process may use.
 
     torchrun   RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE (and TORCHELASTIC_RUN_ID)
-    mpirun     OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}; horovodrun adds HOROVOD_RANK
+    mpirun     OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}
+    horovodrun HOROVOD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE} (with --gloo, nothing of MPI's)
     srun       SLURM_PROCID SLURM_NTASKS SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE; PMI_RANK/PMIX_RANK with --mpi
 
 Plain functions of `os.environ`, no torch: importable by anything.
@@ -19,8 +20,9 @@ import subprocess
 # (rank, world size, local rank, local size) as each launcher names them.
 TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 OPEN_MPI = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+HOROVODRUN = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE")  # --gloo sets only these
 SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")  # else _slurm_tasks_here
-_LAUNCHER_VARIABLES = (TORCHRUN, OPEN_MPI, SLURM)
+_LAUNCHER_VARIABLES = (TORCHRUN, OPEN_MPI, HOROVODRUN, SLURM)
 # Rank variables set by the launchers that start Horovod, in the order we trust them.
 _MPI_RANK_VARIABLES = ("HOROVOD_RANK", OPEN_MPI[0], "PMI_RANK", "PMIX_RANK")
 
@@ -112,11 +114,13 @@ JOB_PORTS = (29500, 3000)
 
 
 def port_for_job() -> int:
-    """The same port on every rank of one job, different across jobs: Open MPI's job id, or Slurm's
-    job and step ids (two steps of one allocation may run at once on one node)."""
-    job = os.environ.get("OMPI_MCA_ess_base_jobid") or os.environ.get("SLURM_JOB_ID") or "0"
+    """The same port on every rank of one job, different across jobs: Open MPI's job id, the port of
+    horovodrun --gloo's own rendezvous (one a run), or Slurm's job and step ids (two steps of one
+    allocation may run at once on one node)."""
+    launcher_s = os.environ.get("OMPI_MCA_ess_base_jobid") or os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    job = launcher_s or os.environ.get("SLURM_JOB_ID") or "0"
     digits = "".join(c for c in job if c.isdigit()) or "0"
-    step = os.environ.get("SLURM_STEP_ID", "0") if "OMPI_MCA_ess_base_jobid" not in os.environ else "0"
+    step = os.environ.get("SLURM_STEP_ID", "0") if not launcher_s else "0"
     # 7919 is prime to 3000: the steps of one job (and the jobs of one step number) get distinct ports.
     first, count = JOB_PORTS
     return first + (int(digits) + 7919 * (int(step) if step.isdigit() else 0)) % count
