@@ -19,7 +19,12 @@ class TrainingStopped(UserError):
 
 class RendezvousFailed(UserError):
     """The ranks could not meet (a port in use, an address that is not rank 0's host): one line from
-    each rank that saw it, since rank 0 may not be the one."""
+    each rank that saw it, since rank 0 may not be the one. `others_wait`: this rank was to host the
+    rendezvous and could not listen, so the others wait for it until their timeout."""
+
+    def __init__(self, message: str, others_wait: bool = False):
+        super().__init__(message)
+        self.others_wait = others_wait
 
 
 class StoppedBySignal(Exception):

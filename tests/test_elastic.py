@@ -164,3 +164,14 @@ def test_elastic_without_the_elastic_launcher_is_one_clear_line(tmp_path):
     errors = [line for line in done.stderr.splitlines() if "hvdtrain: error:" in line]
     assert len(errors) == 1 and "--elastic needs processes started by horovodrun in elastic mode" in errors[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_the_torch_engine_under_the_elastic_launcher_is_one_clear_line(ssh_hosts, tmp_path):
+    """horovodrun's elastic driver adds and replaces workers, which a fixed torch.distributed process
+    group cannot follow (its new workers' rank 0 found the first ones' port taken)."""
+    hostfile = tmp_path / "hosts"
+    write_hosts(hostfile, FIRST_HOSTS)
+    code, out, err = finish(start_elastic(ssh_hosts, hostfile, tmp_path / "run", "--engine", "torch"), timeout=120)
+    errors = [line for line in (out + err).splitlines() if "hvdtrain: error:" in line]
+    assert code != 0 and len(errors) == 1 and "elastic mode adds and replaces processes" in errors[0], err[-3000:]
+    assert "Traceback" not in out + err and not (tmp_path / "run").exists()

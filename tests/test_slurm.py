@@ -3,6 +3,7 @@ Debian), 2 tasks through `srun --mpi=pmix`; `scancel` ends every task and `--res
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import subprocess
@@ -57,9 +58,12 @@ def _wait(env: dict, job: str, timeout: float = 300) -> str:
             return state
         time.sleep(0.5)
     # The one node is the next tests' too: the job ends here, and its log says where it was.
-    shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True, timeout=10)
-    subprocess.run(["scancel", job], env=env, timeout=10)
-    found = re.search(r"StdOut=(\S+)", shown.stdout)
+    shown = ""
+    with contextlib.suppress(subprocess.SubprocessError):  # nothing here may hide the job's own failure
+        shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True,
+                               timeout=10).stdout
+        subprocess.run(["scancel", job], env=env, timeout=10)
+    found = re.search(r"StdOut=(\S+)", shown)
     log = Path(found.group(1)) if found else None
     raise AssertionError(f"job {job} still {state} after {timeout} s (cancelled now); its log ends:\n"
                          f"{log.read_text()[-3000:] if log and log.exists() else '(none)'}")

@@ -41,8 +41,19 @@ def test_two_steps_of_one_slurm_job_meet_at_different_ports(monkeypatch):
     assert len(ports) == 8 and all(29500 <= port < EPHEMERAL_PORTS_FROM for port in ports)
     monkeypatch.setenv("SLURM_JOB_ID", "4243")
     assert port_for_job() not in ports  # the next job's step 7
-    monkeypatch.setenv("OMPI_MCA_ess_base_jobid", "3924361217")  # Open MPI's job ids are large
-    assert 29500 <= port_for_job() < EPHEMERAL_PORTS_FROM
+
+
+def test_open_mpi_jobs_spread_over_every_port(monkeypatch):
+    """Open MPI's job ids are a family number times 65536, plus 1: 1000 jobs get 1000 ports (a count
+    of ports that shares a factor with 65536 gave them 375 in all), none among the ephemeral ones."""
+    from hvdtrain.engine.environment import port_for_job
+
+    _launched_with({}, monkeypatch)
+    ports = set()
+    for family in range(20000, 21000):
+        monkeypatch.setenv("OMPI_MCA_ess_base_jobid", str(family * 65536 + 1))
+        ports.add(port_for_job())
+    assert len(ports) == 1000 and all(29500 <= port < EPHEMERAL_PORTS_FROM for port in ports)
 
 
 # Linux's first ephemeral port: any outgoing connection on the host may hold one from here on, and a
@@ -88,19 +99,42 @@ def test_the_rank_before_any_engine_under_slurm(variables, rank, monkeypatch):
     assert (_plain_srun_rank() is not None) == (rank is not None and "PMIX_RANK" not in variables)
 
 
-@pytest.mark.parametrize("variables, ends", [
-    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "1"}, True),
-    ({"HOROVOD_RANK": "1"}, True),  # horovodrun --gloo
-    ({"OMPI_COMM_WORLD_RANK": "1"}, True),  # mpirun, horovodrun over MPI
-    ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"}, False),  # srun without --kill-on-bad-exit
-    ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1", "PMIX_RANK": "1"}, False),
-], ids=["torchrun", "horovodrun-gloo", "mpirun", "plain-srun", "srun-pmix"])
-def test_which_launchers_end_the_job_once_one_rank_fails(variables, ends, monkeypatch):
-    """A quiet rank still there after its wait speaks only where rank 0's exit would have ended it."""
-    from hvdtrain.engine.environment import launcher_ends_the_job_on_a_failure
+IN_A_STEP = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"}
+
+
+@pytest.mark.parametrize("variables, ends, step_left", [
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "1"}, True, None),
+    ({"HOROVOD_RANK": "1"}, True, None),  # horovodrun --gloo
+    ({"HOROVOD_RANK": "1", "HOROVOD_ELASTIC": "1"}, False, None),  # its elastic driver carries on without one
+    ({"OMPI_COMM_WORLD_RANK": "1"}, True, None),  # mpirun, horovodrun over MPI
+    ({**IN_A_STEP, "OMPI_COMM_WORLD_RANK": "1"}, True, None),  # mpirun in an allocation (its daemons in a step)
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "1", **IN_A_STEP}, True, None),  # torchrun started by srun
+    (IN_A_STEP, False, "7.1"),  # srun without --kill-on-bad-exit
+    ({**IN_A_STEP, "PMIX_RANK": "1"}, False, "7.1"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}, False, None),  # the batch script: no step
+], ids=["torchrun", "horovodrun-gloo", "horovodrun-elastic", "mpirun", "mpirun-in-slurm", "torchrun-in-slurm", "plain-srun", "srun-pmix",
+        "batch-script"])
+def test_which_launchers_end_the_job_once_one_rank_fails(variables, ends, step_left, monkeypatch):
+    """A quiet rank still there after its wait speaks only where rank 0's exit would have ended it; a
+    rank 0 that cannot host the rendezvous ends the srun step that nothing else would end."""
+    from hvdtrain.engine.environment import launcher_ends_the_job_on_a_failure, srun_step_left_waiting
 
     _launched_with(variables, monkeypatch)
     assert launcher_ends_the_job_on_a_failure() == ends
+    assert srun_step_left_waiting() == step_left
+
+
+def test_only_a_rank_0_that_could_not_listen_leaves_the_others_waiting():
+    """torch's words for a port rank 0 could not open, as against a rendezvous that began and failed."""
+    from hvdtrain.engine.torch_distributed import _could_not_listen
+
+    assert _could_not_listen(torch.distributed.DistNetworkError(
+        "The server socket has failed to listen on any local network address. port: 29500, useIpv6: false, "
+        "code: -98, name: EADDRINUSE, message: address already in use"))
+    assert _could_not_listen(RuntimeError("The server socket has failed to bind to [::]:29500 (errno: 98 - Address "
+                                          "already in use)."))
+    assert not _could_not_listen(torch.distributed.DistStoreError(
+        "Timed out after 361 seconds waiting for clients. 1/2 clients joined."))
 
 
 def test_a_user_s_error_that_speaks_of_a_connection_reset_is_not_another_rank_s_failure():

@@ -41,7 +41,7 @@ def report_and_exit(err: Exception, debug: bool) -> None:
     if isinstance(err, RendezvousFailed):
         # dist: rank 0 hosts the rendezvous; where it could not (its port taken), the others wait for it
         # until the timeout (minutes) unless something ends them: srun alone does not
-        fail(str(err), err.exit_code, debug, every_rank=True, end_srun_step=True)
+        fail(str(err), err.exit_code, debug, every_rank=True, end_srun_step=err.others_wait)
     if isinstance(err, UserError):
         fail(str(err), err.exit_code, debug)
     if isinstance(err, StoppedBySignal):

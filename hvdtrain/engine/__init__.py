@@ -57,10 +57,15 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
 
     plain_srun = plain_srun_rank() is not None
     # dist: Slurm's own variables are all that plain srun gives; the torch engine reads them.
+    if kind == "torch" and os.environ.get("HOROVOD_ELASTIC") == "1":
+        raise UserError("horovodrun's elastic mode adds and replaces processes, which the torch engine's fixed "
+                        "process group cannot follow: leave --engine out (Horovod), or drop horovodrun's elastic "
+                        "options")
     if kind == "torch" or (kind == "auto" and (torchrun_launched() or plain_srun)):
         return _start(TorchEngine, device, threads, stall_timeout)
-    if kind == "horovod" and torchrun_launched():  # each process would be a Horovod of one, in one run directory
-        raise UserError(f"torchrun started {os.environ.get('WORLD_SIZE', 'its')} processes, which the Horovod engine "
+    if kind == "horovod" and torchrun_launched() and os.environ.get("WORLD_SIZE", "1") != "1":
+        # Each process would be a Horovod of one, all in one run directory.
+        raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes, which the Horovod engine "
                         "cannot join: --engine torch (or leave --engine out), or start them with horovodrun or mpirun")
     if kind == "horovod" and plain_srun:
         raise UserError(f"srun started {os.environ['SLURM_STEP_NUM_TASKS']} tasks without an MPI plugin, which the "

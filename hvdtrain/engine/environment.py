@@ -22,7 +22,9 @@ TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 OPEN_MPI = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
 HOROVODRUN = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE")  # --gloo sets only these
 SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")  # else _slurm_tasks_here
-_LAUNCHER_VARIABLES = (TORCHRUN, OPEN_MPI, HOROVODRUN, SLURM)
+# horovodrun's before Open MPI's: horovodrun --gloo passes on its own environment, which may hold an
+# mpirun's of one process (what Horovod reads too, HOROVOD_RANK first).
+_LAUNCHER_VARIABLES = (TORCHRUN, HOROVODRUN, OPEN_MPI, SLURM)
 # Rank variables set by the launchers that start Horovod, in the order we trust them.
 _MPI_RANK_VARIABLES = ("HOROVOD_RANK", OPEN_MPI[0], "PMI_RANK", "PMIX_RANK")
 
@@ -34,8 +36,10 @@ def torchrun_launched() -> bool:
 
 def launcher_ends_the_job_on_a_failure() -> bool:
     """Whether the launcher stops every process once one exits with a failure: torchrun's agent,
-    horovodrun and Open MPI's mpirun do; srun does only when told to (--kill-on-bad-exit)."""
-    return torchrun_launched() or "HOROVOD_RANK" in os.environ or OPEN_MPI[0] in os.environ
+    horovodrun and Open MPI's mpirun do; srun does only when told to (--kill-on-bad-exit), and
+    horovodrun's elastic driver not at all (it carries on without a failed worker)."""
+    horovodrun = "HOROVOD_RANK" in os.environ and os.environ.get("HOROVOD_ELASTIC") != "1"
+    return torchrun_launched() or horovodrun or OPEN_MPI[0] in os.environ
 
 
 def environment_rank() -> int | None:
@@ -108,20 +112,22 @@ def slurm_first_node() -> str | None:
     return first[0] if shown.returncode == 0 and first else None
 
 
-# Where port_for_job picks: from torchrun's 29500 up to below Linux's ephemeral ports (32768 on): any
-# outgoing connection on the host may hold one of those, and rank 0 could not listen there.
-JOB_PORTS = (29500, 3000)
+# Where port_for_job picks: from torchrun's 29500 up to below Linux's default ephemeral ports (32768
+# on): any outgoing connection on the host may hold one of those, and rank 0 could not listen there.
+# A prime count: Open MPI's job ids are multiples of 65536 plus 1, and 3000 gave them 375 ports.
+JOB_PORTS = (29500, 2999)
 
 
 def port_for_job() -> int:
     """The same port on every rank of one job, different across jobs: Open MPI's job id, the port of
     horovodrun --gloo's own rendezvous (one a run), or Slurm's job and step ids (two steps of one
     allocation may run at once on one node)."""
-    launcher_s = os.environ.get("OMPI_MCA_ess_base_jobid") or os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    horovodrun_gloo = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT") if "HOROVOD_RANK" in os.environ else None
+    launcher_s = horovodrun_gloo or os.environ.get("OMPI_MCA_ess_base_jobid")
     job = launcher_s or os.environ.get("SLURM_JOB_ID") or "0"
     digits = "".join(c for c in job if c.isdigit()) or "0"
     step = os.environ.get("SLURM_STEP_ID", "0") if not launcher_s else "0"
-    # 7919 is prime to 3000: the steps of one job (and the jobs of one step number) get distinct ports.
+    # 7919 is prime to 2999: the steps of one job (and the jobs of one step number) get distinct ports.
     first, count = JOB_PORTS
     return first + (int(digits) + 7919 * (int(step) if step.isdigit() else 0)) % count
 

@@ -5,10 +5,11 @@
     torchrun --nproc-per-node 2 hvdtrain fit                   # picked by --engine auto
     mpirun -np 2 hvdtrain fit --engine torch                   # rank and size from Open MPI
     srun -n 2 hvdtrain fit --engine torch                      # rank and size from Slurm
+    horovodrun --gloo -np 2 hvdtrain fit --engine torch        # rank and size from horovodrun
 
 No MPI and no Horovod: Gloo on CPUs, NCCL on GPUs, both from PyTorch's own wheels. The
 rendezvous is `MASTER_ADDR`/`MASTER_PORT` (torchrun sets them; on one host they default
-to 127.0.0.1 and a port derived from the launcher's job id), or the `tcp://HOST:PORT` in
+to 127.0.0.1 and a port derived from the launcher's job or run), or the `tcp://HOST:PORT` in
 `HVDTRAIN_INIT_METHOD`.
 """
 
@@ -58,7 +59,8 @@ _COLLECTIVES_HOMES = (Path(dist.__file__).parent, Path(__file__).parent)
 def _required_facts() -> tuple[int, int, int, int]:
     facts = launcher_facts()
     if facts is None:
-        raise UserError("--engine torch needs a launcher: torchrun --nproc-per-node N, mpirun -np N or srun -n N")
+        raise UserError("--engine torch needs a launcher: torchrun --nproc-per-node N, mpirun -np N, srun -n N or "
+                        "horovodrun -np N")
     return facts
 
 
@@ -109,7 +111,8 @@ class TorchEngine(WatchedEngine):
             raise RendezvousFailed(
                 f"rank {rank}: the ranks could not meet at {where}: {message_lines(err)}. The port may be in use "
                 "(set MASTER_PORT, or HVDTRAIN_INIT_METHOD=tcp://HOST:PORT, to a free one), or the host may not "
-                "be rank 0's or not reachable from this one (MASTER_ADDR)") from err
+                "be rank 0's or not reachable from this one (MASTER_ADDR)",
+                others_wait=rank == 0 and _could_not_listen(err)) from err
         engine = cls(device, facts, where)
         engine._store = store
         return engine
@@ -306,6 +309,13 @@ def _init_method(one_host: bool) -> str:
     if method == "env://":
         os.environ.setdefault("MASTER_PORT", str(port_for_job()))
     return method
+
+
+def _could_not_listen(err: BaseException) -> bool:
+    """The rendezvous's host could not open its port (torch's words for EADDRINUSE and the like), as
+    against a rendezvous that began and failed later (a timeout, a rank that left)."""
+    text = str(err).lower()
+    return any(words in text for words in ("failed to listen", "failed to bind", "address already in use"))
 
 
 def _require_resolvable(where: str, rank: int) -> None:
