@@ -237,6 +237,7 @@ BAD = {
                            "user_code:per_sample_loss"], "returned a tensor of shape (64,), not a scalar"),
     # Horovod in a process torchrun started is a world of one: two runs of one in one directory, once
     "Horovod engine under torchrun": (["--engine", "horovod"], "torchrun started 2 processes, which the Horovod engine"),
+    "local engine under a launcher": (["--engine", "local"], "--engine local trains in one process alone, but 2 were"),
 }
 
 
@@ -244,7 +245,7 @@ BAD = {
 # between them once on each engine (they fail on every rank alike, as the first path does).
 BAD_RUNS = [(launcher, case) for launcher in LAUNCHERS for case in ("wrong config type", "loss not a scalar")] + [
     ("torchrun", "factory does not import"), ("horovodrun-gloo", "more processes than samples"),
-    ("torchrun", "Horovod engine under torchrun")]
+    ("torchrun", "Horovod engine under torchrun"), ("mpirun", "local engine under a launcher")]
 
 
 # Rank 0 starts this long after the others in the command-line case: launchers stop every rank once

@@ -2,6 +2,7 @@
 install with this engine alone (no MPI, no Horovod)."""
 
 import os
+import re
 import subprocess
 import time
 
@@ -12,7 +13,8 @@ from conftest import ROOT, assert_ok, launch_env
 from hvdtrain.engine.buckets import FIRST_BUCKET_BYTES, buckets as _buckets
 from hvdtrain.engine.torch_distributed import launcher_facts
 
-SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "2(x2),1"}
+SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "2(x2),1",
+         "SLURM_STEP_NUM_TASKS": "5"}
 
 
 @pytest.mark.parametrize("node, local_size", [("0", 2), ("1", 2), ("2", 1)])
@@ -122,6 +124,44 @@ def test_which_launchers_end_the_job_once_one_rank_fails(variables, ends, step_l
     _launched_with(variables, monkeypatch)
     assert launcher_ends_the_job_on_a_failure() == ends
     assert srun_step_left_waiting() == step_left
+
+
+TORCHRUN_2 = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+BATCH_SCRIPT = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
+
+
+@pytest.mark.parametrize("kind, variables, refused", [
+    ("local", TORCHRUN_2, "--engine local trains in one process alone, but 2 were started"),
+    ("local", {**TORCHRUN_2, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}, None),
+    ("local", BATCH_SCRIPT, None),  # the batch script's own process: one, whatever its allocation's tasks
+    ("horovod", TORCHRUN_2, "torchrun started 2 processes, which the Horovod engine cannot join"),
+    ("horovod", {**TORCHRUN_2, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}, None),  # a Horovod of one
+    ("horovod", {**BATCH_SCRIPT, **IN_A_STEP}, "srun started 4 tasks without an MPI plugin"),
+    ("torch", {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_ELASTIC": "1"}, "elastic mode adds and replaces"),
+    ("torch", {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, None),
+], ids=["local-torchrun", "local-torchrun-1", "local-batch-script", "horovod-torchrun", "horovod-torchrun-1",
+        "horovod-plain-srun", "torch-elastic", "torch-horovodrun"])
+def test_an_engine_that_cannot_join_the_launched_processes_is_refused(kind, variables, refused, monkeypatch):
+    """Each process would be a run of its own, all in one run directory (two of them raced to write one)."""
+    from hvdtrain.engine import _refuse_a_mismatch
+    from hvdtrain.errors import UserError
+
+    _launched_with(variables, monkeypatch)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        if name not in variables:
+            monkeypatch.delenv(name, raising=False)
+    if refused is None:
+        _refuse_a_mismatch(kind)
+    else:
+        with pytest.raises(UserError, match=re.escape(refused)):
+            _refuse_a_mismatch(kind)
+
+
+def test_a_batch_script_s_own_process_is_no_launched_rank(monkeypatch):
+    """Slurm gives a batch script task 0 of its allocation's tasks, but no step: `hvdtrain fit --engine
+    torch` there waited for ranks nobody started until the rendezvous timeout."""
+    _launched_with(BATCH_SCRIPT, monkeypatch)
+    assert launcher_facts() is None
 
 
 def test_only_a_rank_0_that_could_not_listen_leaves_the_others_waiting():

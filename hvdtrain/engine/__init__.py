@@ -17,7 +17,8 @@ import torch
 
 from hvdtrain.engine import host_memory
 from hvdtrain.engine.base import Engine, GradientSync, RankFailed
-from hvdtrain.engine.environment import available_cores, environment_rank, plain_srun_rank, torchrun_launched
+from hvdtrain.engine.environment import (available_cores, environment_rank, launcher_facts, plain_srun_rank,
+                                         torchrun_launched)
 from hvdtrain.engine.local import LocalEngine
 from hvdtrain.errors import AnotherRankFailed, StoppedBySignal, UserError
 
@@ -55,21 +56,11 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
         host_memory.keep_freed_memory()
     from hvdtrain.engine.torch_distributed import TorchEngine
 
+    _refuse_a_mismatch(kind)
     plain_srun = plain_srun_rank() is not None
     # dist: Slurm's own variables are all that plain srun gives; the torch engine reads them.
-    if kind == "torch" and os.environ.get("HOROVOD_ELASTIC") == "1":
-        raise UserError("horovodrun's elastic mode adds and replaces processes, which the torch engine's fixed "
-                        "process group cannot follow: leave --engine out (Horovod), or drop horovodrun's elastic "
-                        "options")
     if kind == "torch" or (kind == "auto" and (torchrun_launched() or plain_srun)):
         return _start(TorchEngine, device, threads, stall_timeout)
-    if kind == "horovod" and torchrun_launched() and os.environ.get("WORLD_SIZE", "1") != "1":
-        # Each process would be a Horovod of one, all in one run directory.
-        raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes, which the Horovod engine "
-                        "cannot join: --engine torch (or leave --engine out), or start them with horovodrun or mpirun")
-    if kind == "horovod" and plain_srun:
-        raise UserError(f"srun started {os.environ['SLURM_STEP_NUM_TASKS']} tasks without an MPI plugin, which the "
-                        "Horovod engine needs: srun --mpi=pmix (as launch/slurm.sbatch does), or --engine torch")
     if kind == "horovod" or (kind == "auto" and launcher_rank() is not None):
         from hvdtrain.engine.horovod import HorovodEngine  # imports horovod.torch
 
@@ -78,6 +69,26 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
     engine_device = _pick_device(device, local_rank=0, local_size=1)
     torch.set_num_threads(_threads_per_process(threads, local_size=1))
     return LocalEngine(engine_device)
+
+
+def _refuse_a_mismatch(kind: str) -> None:
+    """An engine asked for that cannot join the processes the launcher started is one line saying what
+    to use: each process would otherwise be a run of its own, all in one run directory."""
+    facts = launcher_facts()
+    size = facts[1] if facts else 1
+    if kind == "local" and size > 1:
+        raise UserError(f"--engine local trains in one process alone, but {size} were started: leave --engine out "
+                        "to train them as one job, or start one process")
+    if kind == "torch" and os.environ.get("HOROVOD_ELASTIC") == "1":
+        raise UserError("horovodrun's elastic mode adds and replaces processes, which the torch engine's fixed "
+                        "process group cannot follow: leave --engine out (Horovod), or drop horovodrun's elastic "
+                        "options")
+    if kind == "horovod" and torchrun_launched() and size > 1:
+        raise UserError(f"torchrun started {size} processes, which the Horovod engine cannot join: --engine torch "
+                        "(or leave --engine out), or start them with horovodrun or mpirun")
+    if kind == "horovod" and plain_srun_rank() is not None:
+        raise UserError(f"srun started {os.environ['SLURM_STEP_NUM_TASKS']} tasks without an MPI plugin, which the "
+                        "Horovod engine needs: srun --mpi=pmix (as launch/slurm.sbatch does), or --engine torch")
 
 
 @contextlib.contextmanager

@@ -74,6 +74,8 @@ def plain_srun_rank() -> int | None:
 def launcher_facts() -> tuple[int, int, int, int] | None:
     """(rank, size, local rank, local size) from the launcher's environment; None without one."""
     for names in _LAUNCHER_VARIABLES:
+        if names is SLURM and "SLURM_STEP_NUM_TASKS" not in os.environ:
+            continue  # a batch script itself: Slurm's task 0 of the allocation's tasks, one process
         if all(name in os.environ for name in names[:2]):
             rank, size = int(os.environ[names[0]]), int(os.environ[names[1]])
             local_rank = int(os.environ.get(names[2], rank))
