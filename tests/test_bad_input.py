@@ -5,11 +5,14 @@ import json
 import os
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import epoch_records, launch_env
 from hvdtrain.cli import main
 
 
@@ -208,3 +211,51 @@ def test_resume_auto_refuses_a_directory_that_is_not_a_run(with_config, tmp_path
     assert (f"--resume auto: '{tmp_path}' has no checkpoint to resume and holds files that are not a run's "
             "(notes.txt)") in capsys.readouterr().err
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+PACED = ["--data", "random", "--set", "data.samples=6000", "--set", "data.features=12", "--model", "user_code:paced_mlp",
+         "--progress", "off", "--threads", "1"]
+
+
+def test_a_second_job_in_a_running_job_s_directory_is_refused_and_the_first_finishes(tmp_path, capsys):
+    """`--overwrite` or `--resume` typed in another terminal (or a script started twice) while a job
+    runs there: both used to train into one directory at once, writing the same checkpoints."""
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(["hvdtrain", "fit", *PACED, "--epochs", "3", "--run-dir", str(run_dir)],
+                             env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / "checkpoints" / "last.pt").exists():  # mid-run, with something to resume
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.1)
+        for how in ("--overwrite", "--resume"):
+            with pytest.raises(SystemExit) as exit_info:
+                main(["fit", "--engine", "local", *PACED, "--epochs", "3", "--run-dir", str(run_dir), how])
+            assert exit_info.value.code == 2
+            err = capsys.readouterr().err
+            assert f"hvdtrain: error: another job is running in run directory '{run_dir}'" in err, err
+        out, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert [record["epoch"] for record in epoch_records(run_dir)] == [1, 2, 3]
+    # Once it has ended, the directory is free: the same --resume is taken.
+    main(["fit", "--engine", "local", *PACED, "--epochs", "3", "--run-dir", str(run_dir), "--resume"])
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_a_fit_that_failed_in_a_script_lets_its_run_directory_go(tmp_path, capsys):
+    """A failed fit's process goes on (a notebook, a script that catches): another job may take the
+    directory, and so may this process's next fit."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--engine", "local", "--data", "user_code:nan_in_one_sample", "--epochs", "2",
+              "--run-dir", str(run_dir)])
+    assert exit_info.value.code == 1 and "non-finite loss" in capsys.readouterr().err
+    other = subprocess.run([sys.executable, "-c", "import fcntl, sys; fcntl.flock(open(sys.argv[1], 'a'), "
+                            "fcntl.LOCK_EX | fcntl.LOCK_NB)", str(run_dir / ".hvdtrain.lock")], capture_output=True,
+                           text=True, timeout=60)
+    assert other.returncode == 0, other.stderr
+    main(["fit", "--engine", "local", "--data", "random", "--set", "data.samples=256", "--batch-size", "16",
+          "--epochs", "1", "--run-dir", str(run_dir), "--overwrite"])
+    assert (run_dir / "summary.json").is_file()

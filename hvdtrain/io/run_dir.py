@@ -9,6 +9,7 @@
     where.json      while the job runs: how `hvdtrain where` reaches it (left behind by a killed job)
     where/          every rank's report at a stall or when asked
     mlflow_run_id   the MLflow run a resumed run goes on logging to
+    .hvdtrain.lock  rank 0's claim while its fit runs (hvdtrain.io.run_lock)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
+from hvdtrain.io import run_lock
 from hvdtrain.io.atomic import atomic_write
 from hvdtrain.io.checkpoint import CHECKPOINTS, CheckpointStore, best_entry
 from hvdtrain.io.mlflow_log import RUN_ID_FILE
@@ -56,21 +58,26 @@ def read_metrics(path: Path, warn: Callable[[str], None] = lambda message: None)
     return records
 
 
-def prepare_run_dir(cfg: RunConfig) -> tuple[Path, bool]:
+def prepare_run_dir(cfg: RunConfig, claimed: bool = True) -> tuple[Path, bool]:
     """Checks the directory against --resume/--overwrite and makes it ready (rank 0 only).
-    Returns it and whether the run goes on from a checkpoint there."""
+    Returns it and whether the run goes on from a checkpoint there. `claimed`: this process holds
+    it until `run_lock.release` (a job running there already is refused before anything changes)."""
     if cfg.dir is None:
         if cfg.resume:
             raise UserError(f"--resume{' auto' if cfg.resume == 'auto' else ''} needs --run-dir: the run directory "
                             "to continue")
-        return _fresh_default_dir(), False
+        path = _fresh_default_dir()
+        if claimed:
+            run_lock.claim(path)
+        return path, False
     path = Path(cfg.dir)
     if path.exists() and not path.is_dir():
         raise UserError(f"run directory '{path}' is a file: choose another --run-dir")
-    has_content = path.is_dir() and any(path.iterdir())
+    has_content = path.is_dir() and any(entry.name != run_lock.LOCK_FILE for entry in path.iterdir())
     has_checkpoints = CheckpointStore(path).has_any()
     if cfg.resume == "auto":
         if has_checkpoints:
+            _claim(path, claimed)
             return path, True
         foreign = sorted(entry.name for entry in path.iterdir() if not _is_run_file(entry)) if has_content else []
         if foreign:
@@ -85,6 +92,7 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[Path, bool]:
     elif cfg.resume:
         if not has_checkpoints:
             raise UserError(f"nothing to resume in '{path}': it has no checkpoints; drop --resume to start a new run")
+        _claim(path, claimed)
         return path, True
     elif has_content and not cfg.overwrite:
         raise UserError(
@@ -92,13 +100,20 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[Path, bool]:
             "--overwrite to start it again, or choose another --run-dir"
         )
     if has_content:
+        _claim(path, claimed)  # before anything goes: a job still writing there keeps it all
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
+    _claim(path, claimed)  # (again after --overwrite: the lock file went with the rest)
     return path, False
 
 
+def _claim(path: Path, claimed: bool) -> None:
+    if claimed:
+        run_lock.claim(path)
+
+
 RUN_FILES = ("config.yaml", METRICS, "summary.json", TIMELINE, CHECKPOINTS, "events.out.tfevents.*", WHERE_FILE,
-             f".{WHERE_FILE}.*", WHERE_FOLDER, RUN_ID_FILE, ".*.tmp")
+             f".{WHERE_FILE}.*", WHERE_FOLDER, RUN_ID_FILE, ".*.tmp", run_lock.LOCK_FILE)
 """What `fit` may leave in a run directory before its first checkpoint (killed at any moment)."""
 
 

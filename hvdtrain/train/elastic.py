@@ -60,7 +60,7 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
         stream_plan=start.stream_plan,  # a stream's epoch under way: its ranges are per process
     )
     attempts = _Attempts(trainer, started)
-    with trainer.ending_data_workers():
+    with trainer.ending():
         return engine.run_elastic(attempts.train, state)
 
 

@@ -29,7 +29,7 @@ def fit_plain(config: Config, engine: Engine, started: float) -> dict[str, Any]:
     # stops the run at its first step with a checkpoint, instead of killing the process.
     with StopSignals(config.run.stop_signals) as signals:
         trainer = Trainer(config, engine, started)
-        with trainer.ending_data_workers():
+        with trainer.ending():
             trainer.callbacks = _set_up(trainer)
             return _train(trainer, signals, started)
 

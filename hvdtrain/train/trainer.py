@@ -21,6 +21,7 @@ from hvdtrain.data.augment import on_device
 from hvdtrain.engine import Engine
 from hvdtrain.errors import UserError
 from hvdtrain.io.checkpoint import Start
+from hvdtrain.io import run_lock
 from hvdtrain.io.run_dir import prepare_run_dir
 from hvdtrain.train.callbacks import Callbacks, StoppedEarly
 from hvdtrain.train.checkpointer import Checkpointer, restore
@@ -99,7 +100,8 @@ class Trainer:
         Returns where training begins; the beginning elsewhere."""
         if not self.engine.is_root:  # dist: rank 0 alone owns the run directory
             return Start()
-        self.run_dir, resuming = prepare_run_dir(self.config.run)
+        # Not under --elastic: a process that joins as rank 0 while the first rank 0 lives claims again.
+        self.run_dir, resuming = prepare_run_dir(self.config.run, claimed=not self.config.train.elastic)
         if not resuming:
             return Start()
         start, self.resumed_optimizer, self.resumed_powersgd = restore(self.run, self.config, self.run_dir, self.engine)
@@ -111,16 +113,21 @@ class Trainer:
         self.shard = shard(self.run, self.config, self.engine)
 
     @contextlib.contextmanager
-    def ending_data_workers(self) -> Iterator[None]:
-        """The fit inside, then the data loaders' worker processes ended, on every way out: a failure's
-        frames keep the loaders alive, and their workers would keep the process (a user's script too)
-        from exiting. After a failure or a stop they are killed, not waited for."""
+    def ending(self) -> Iterator[None]:
+        """The fit inside, then what it holds let go, on every way out: the data loaders' worker processes
+        (a failure's frames keep the loaders alive, and their workers would keep the process, a user's
+        script too, from exiting; after a failure or a stop they are killed, not waited for), then rank
+        0's claim on the run directory."""
         try:
             yield
         except BaseException:
             self.end_data_workers(at_once=True)
             raise
-        self.end_data_workers()
+        else:
+            self.end_data_workers()
+        finally:
+            if getattr(self, "run_dir", None) is not None:
+                run_lock.release(self.run_dir)
 
     def end_data_workers(self, at_once: bool = False) -> None:
         current = getattr(self, "shard", None)
