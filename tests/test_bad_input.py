@@ -221,7 +221,7 @@ def test_a_second_job_in_a_running_job_s_directory_is_refused_and_the_first_fini
     """`--overwrite` or `--resume` typed in another terminal (or a script started twice) while a job
     runs there: both used to train into one directory at once, writing the same checkpoints."""
     run_dir = tmp_path / "run"
-    first = subprocess.Popen(["hvdtrain", "fit", *PACED, "--epochs", "3", "--run-dir", str(run_dir)],
+    first = subprocess.Popen(["hvdtrain", "fit", *PACED, "--epochs", "4", "--run-dir", str(run_dir)],
                              env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -230,7 +230,7 @@ def test_a_second_job_in_a_running_job_s_directory_is_refused_and_the_first_fini
             time.sleep(0.1)
         for how in ("--overwrite", "--resume"):
             with pytest.raises(SystemExit) as exit_info:
-                main(["fit", "--engine", "local", *PACED, "--epochs", "3", "--run-dir", str(run_dir), how])
+                main(["fit", "--engine", "local", *PACED, "--epochs", "4", "--run-dir", str(run_dir), how])
             assert exit_info.value.code == 2
             err = capsys.readouterr().err
             assert f"hvdtrain: error: another job is running in run directory '{run_dir}'" in err, err
@@ -238,9 +238,9 @@ def test_a_second_job_in_a_running_job_s_directory_is_refused_and_the_first_fini
     finally:
         first.kill()
     assert first.returncode == 0 and "Traceback" not in err, err[-3000:]
-    assert [record["epoch"] for record in epoch_records(run_dir)] == [1, 2, 3]
+    assert [record["epoch"] for record in epoch_records(run_dir)] == [1, 2, 3, 4]
     # Once it has ended, the directory is free: the same --resume is taken.
-    main(["fit", "--engine", "local", *PACED, "--epochs", "3", "--run-dir", str(run_dir), "--resume"])
+    main(["fit", "--engine", "local", *PACED, "--epochs", "4", "--run-dir", str(run_dir), "--resume"])
     assert "nothing to do" in capsys.readouterr().out
 
 
@@ -252,10 +252,24 @@ def test_a_fit_that_failed_in_a_script_lets_its_run_directory_go(tmp_path, capsy
         main(["fit", "--engine", "local", "--data", "user_code:nan_in_one_sample", "--epochs", "2",
               "--run-dir", str(run_dir)])
     assert exit_info.value.code == 1 and "non-finite loss" in capsys.readouterr().err
-    other = subprocess.run([sys.executable, "-c", "import fcntl, sys; fcntl.flock(open(sys.argv[1], 'a'), "
+    other = subprocess.run([sys.executable, "-c", "import fcntl, sys; fcntl.flock(open(sys.argv[1], 'r+'), "
                             "fcntl.LOCK_EX | fcntl.LOCK_NB)", str(run_dir / ".hvdtrain.lock")], capture_output=True,
                            text=True, timeout=60)
     assert other.returncode == 0, other.stderr
     main(["fit", "--engine", "local", "--data", "random", "--set", "data.samples=256", "--batch-size", "16",
           "--epochs", "1", "--run-dir", str(run_dir), "--overwrite"])
     assert (run_dir / "summary.json").is_file()
+
+
+def test_overwrite_through_a_symbolic_link_empties_the_run_it_points_to(tmp_path, capsys):
+    """runs/latest -> runs/2026-11-27: the old run goes, the link stays a link (removing the directory
+    itself refused a link, and on NFS could not remove one whose lock file was held open)."""
+    real, link = tmp_path / "real", tmp_path / "latest"
+    fit = ["fit", "--engine", "local", "--data", "random", "--set", "data.samples=256", "--batch-size", "16",
+           "--progress", "off", "--run-dir", str(link)]
+    real.mkdir()
+    link.symlink_to(real)
+    main([*fit, "--epochs", "2"])
+    main([*fit, "--epochs", "1", "--overwrite"])
+    assert "error" not in capsys.readouterr().err
+    assert link.is_symlink() and [record["epoch"] for record in epoch_records(real)] == [1]

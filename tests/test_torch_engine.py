@@ -134,12 +134,14 @@ BATCH_SCRIPT = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "
     ("local", TORCHRUN_2, "--engine local trains in one process alone, but 2 were started"),
     ("local", {**TORCHRUN_2, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}, None),
     ("local", BATCH_SCRIPT, None),  # the batch script's own process: one, whatever its allocation's tasks
+    # salloc's shell (srun --preserve-env): a step of one task that keeps the allocation's SLURM_NTASKS
+    ("local", {**BATCH_SCRIPT, "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"}, None),
     ("horovod", TORCHRUN_2, "torchrun started 2 processes, which the Horovod engine cannot join"),
     ("horovod", {**TORCHRUN_2, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}, None),  # a Horovod of one
     ("horovod", {**BATCH_SCRIPT, **IN_A_STEP}, "srun started 4 tasks without an MPI plugin"),
     ("torch", {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_ELASTIC": "1"}, "elastic mode adds and replaces"),
     ("torch", {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, None),
-], ids=["local-torchrun", "local-torchrun-1", "local-batch-script", "horovod-torchrun", "horovod-torchrun-1",
+], ids=["local-torchrun", "local-torchrun-1", "local-batch-script", "local-salloc-shell", "horovod-torchrun", "horovod-torchrun-1",
         "horovod-plain-srun", "torch-elastic", "torch-horovodrun"])
 def test_an_engine_that_cannot_join_the_launched_processes_is_refused(kind, variables, refused, monkeypatch):
     """Each process would be a run of its own, all in one run directory (two of them raced to write one)."""

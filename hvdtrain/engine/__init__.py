@@ -74,7 +74,12 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
 def _refuse_a_mismatch(kind: str) -> None:
     """An engine asked for that cannot join the processes the launcher started is one line saying what
     to use: each process would otherwise be a run of its own, all in one run directory."""
-    facts = launcher_facts()
+    if kind not in ("local", "torch", "horovod"):
+        return
+    try:
+        facts = launcher_facts()
+    except ValueError:  # a launcher's variable that is not a number: the engine that reads it says so
+        facts = None
     size = facts[1] if facts else 1
     if kind == "local" and size > 1:
         raise UserError(f"--engine local trains in one process alone, but {size} were started: leave --engine out "

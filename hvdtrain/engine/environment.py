@@ -5,7 +5,7 @@ per-node task lists); the step's first node and a port per job; the cores this p
     torchrun   RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE (and TORCHELASTIC_RUN_ID)
     mpirun     OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}
     horovodrun HOROVOD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE} (with --gloo, nothing of MPI's)
-    srun       SLURM_PROCID SLURM_NTASKS SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE; PMI_RANK/PMIX_RANK with --mpi
+    srun       SLURM_PROCID SLURM_STEP_NUM_TASKS SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE; PMI_RANK/PMIX_RANK with --mpi
 
 Plain functions of `os.environ`, no torch: importable by anything.
 """
@@ -21,7 +21,9 @@ import subprocess
 TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 OPEN_MPI = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
 HOROVODRUN = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE")  # --gloo sets only these
-SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")  # else _slurm_tasks_here
+# The step's own task count: a batch script has none (it is one process, whatever its allocation's
+# SLURM_NTASKS), and salloc's shell step passes the allocation's SLURM_NTASKS on to its one task.
+SLURM = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")  # else _slurm_tasks_here
 # horovodrun's before Open MPI's: horovodrun --gloo passes on its own environment, which may hold an
 # mpirun's of one process (what Horovod reads too, HOROVOD_RANK first).
 _LAUNCHER_VARIABLES = (TORCHRUN, HOROVODRUN, OPEN_MPI, SLURM)
@@ -74,8 +76,6 @@ def plain_srun_rank() -> int | None:
 def launcher_facts() -> tuple[int, int, int, int] | None:
     """(rank, size, local rank, local size) from the launcher's environment; None without one."""
     for names in _LAUNCHER_VARIABLES:
-        if names is SLURM and "SLURM_STEP_NUM_TASKS" not in os.environ:
-            continue  # a batch script itself: Slurm's task 0 of the allocation's tasks, one process
         if all(name in os.environ for name in names[:2]):
             rank, size = int(os.environ[names[0]]), int(os.environ[names[1]])
             local_rank = int(os.environ.get(names[2], rank))

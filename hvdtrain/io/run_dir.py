@@ -61,7 +61,7 @@ def read_metrics(path: Path, warn: Callable[[str], None] = lambda message: None)
 def prepare_run_dir(cfg: RunConfig, claimed: bool = True) -> tuple[Path, bool]:
     """Checks the directory against --resume/--overwrite and makes it ready (rank 0 only).
     Returns it and whether the run goes on from a checkpoint there. `claimed`: this process holds
-    it until `run_lock.release` (a job running there already is refused before anything changes)."""
+    it until `run_lock.release_all` (a job running there already is refused before anything changes)."""
     if cfg.dir is None:
         if cfg.resume:
             raise UserError(f"--resume{' auto' if cfg.resume == 'auto' else ''} needs --run-dir: the run directory "
@@ -99,17 +99,33 @@ def prepare_run_dir(cfg: RunConfig, claimed: bool = True) -> tuple[Path, bool]:
             f"run directory '{path}' already holds a run: pass --resume to continue it, "
             "--overwrite to start it again, or choose another --run-dir"
         )
-    if has_content:
-        _claim(path, claimed)  # before anything goes: a job still writing there keeps it all
-        shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
-    _claim(path, claimed)  # (again after --overwrite: the lock file went with the rest)
+    _claim(path, claimed)  # before anything goes: a job still writing there keeps it all
+    if has_content:
+        _empty(path)
     return path, False
 
 
 def _claim(path: Path, claimed: bool) -> None:
     if claimed:
         run_lock.claim(path)
+
+
+def _empty(path: Path) -> None:
+    """Removes the old run for --overwrite, all but the lock file held open (on NFS, a file deleted
+    while open stays as .nfsXXXX and the directory could not go): the directory itself stays too (a
+    symbolic link to one, say)."""
+    try:
+        for entry in path.iterdir():
+            if entry.name == run_lock.LOCK_FILE:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    except OSError as err:
+        raise UserError(f"could not remove the old run in '{path}' for --overwrite: {err.strerror or err} "
+                        f"({err.filename}); remove it yourself, or choose another --run-dir") from None
 
 
 RUN_FILES = ("config.yaml", METRICS, "summary.json", TIMELINE, CHECKPOINTS, "events.out.tfevents.*", WHERE_FILE,

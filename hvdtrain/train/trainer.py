@@ -126,8 +126,7 @@ class Trainer:
         else:
             self.end_data_workers()
         finally:
-            if getattr(self, "run_dir", None) is not None:
-                run_lock.release(self.run_dir)
+            run_lock.release_all()
 
     def end_data_workers(self, at_once: bool = False) -> None:
         current = getattr(self, "shard", None)
