@@ -78,6 +78,21 @@ def test_horovodrun_gloo_s_variables_give_the_torch_engine_its_ranks_and_a_port_
     assert port_for_job() != first and all(29500 <= port < EPHEMERAL_PORTS_FROM for port in (first, port_for_job()))
 
 
+def test_a_slurm_step_s_local_size_is_its_own_not_its_allocation_s(monkeypatch):
+    """srun -n 2 inside an allocation of --ntasks-per-node=4: SLURM_NTASKS_PER_NODE is the allocation's."""
+    _launched_with({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+                    "SLURM_NODEID": "0", "SLURM_NTASKS_PER_NODE": "4", "SLURM_STEP_TASKS_PER_NODE": "2"}, monkeypatch)
+    assert launcher_facts() == (1, 2, 1, 2)
+
+
+def test_a_launcher_s_variable_that_is_no_number_is_one_line(monkeypatch):
+    from hvdtrain.errors import UserError
+
+    _launched_with({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "two"}, monkeypatch)
+    with pytest.raises(UserError, match="WORLD_SIZE='two' in the environment is not a number"):
+        launcher_facts()
+
+
 def test_torchrun_s_variables_come_first(monkeypatch):
     for name, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                         "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", **SLURM}.items():

@@ -76,10 +76,7 @@ def _refuse_a_mismatch(kind: str) -> None:
     to use: each process would otherwise be a run of its own, all in one run directory."""
     if kind not in ("local", "torch", "horovod"):
         return
-    try:
-        facts = launcher_facts()
-    except ValueError:  # a launcher's variable that is not a number: the engine that reads it says so
-        facts = None
+    facts = launcher_facts()
     size = facts[1] if facts else 1
     if kind == "local" and size > 1:
         raise UserError(f"--engine local trains in one process alone, but {size} were started: leave --engine out "

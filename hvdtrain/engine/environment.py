@@ -77,11 +77,25 @@ def launcher_facts() -> tuple[int, int, int, int] | None:
     """(rank, size, local rank, local size) from the launcher's environment; None without one."""
     for names in _LAUNCHER_VARIABLES:
         if all(name in os.environ for name in names[:2]):
-            rank, size = int(os.environ[names[0]]), int(os.environ[names[1]])
-            local_rank = int(os.environ.get(names[2], rank))
-            local_size = int(os.environ[names[3]]) if names[3] in os.environ else _slurm_tasks_here() or size
+            rank, size = _number(names[0]), _number(names[1])
+            local_rank = _number(names[2]) if names[2] in os.environ else rank
+            given = _number(names[3]) if names[3] in os.environ else None
+            # dist: Slurm's own count is the allocation's (srun -n 2 in --ntasks-per-node=4 gave 4); the
+            # step's per-node list is this step's
+            local_size = (_slurm_tasks_here() or given if names is SLURM else given or _slurm_tasks_here()) or size
             return rank, size, local_rank, local_size
     return None
+
+
+def _number(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        from hvdtrain.errors import UserError
+
+        raise UserError(f"{name}={value!r} in the environment is not a number: launchers set it to one; unset it, "
+                        "or start the processes with the launcher again") from None
 
 
 def _slurm_tasks_here() -> int | None:

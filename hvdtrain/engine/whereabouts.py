@@ -102,10 +102,13 @@ class Whereabouts:
             self.link.close()
 
     def _unlist(self) -> None:
-        """No job answers in the run directory any more."""
+        """No job answers in the run directory any more. Only this job's file goes: the run directory
+        is let go before the engine shuts down, and a job that took it since wrote its own."""
         if self.run_dir is not None:
-            with contextlib.suppress(OSError):
-                (self.run_dir / LIVE_FILE).unlink()
+            live = self.run_dir / LIVE_FILE
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(live.read_text()).get("token") == self.server.token:
+                    live.unlink()
 
     # --- asked
 

@@ -61,14 +61,14 @@ def read_metrics(path: Path, warn: Callable[[str], None] = lambda message: None)
 def prepare_run_dir(cfg: RunConfig, claimed: bool = True) -> tuple[Path, bool]:
     """Checks the directory against --resume/--overwrite and makes it ready (rank 0 only).
     Returns it and whether the run goes on from a checkpoint there. `claimed`: this process holds
-    it until `run_lock.release_all` (a job running there already is refused before anything changes)."""
+    it until `run_lock.release(run_lock.key(path))` (a job running there
+    already is refused before anything changes)."""
     if cfg.dir is None:
         if cfg.resume:
             raise UserError(f"--resume{' auto' if cfg.resume == 'auto' else ''} needs --run-dir: the run directory "
                             "to continue")
         path = _fresh_default_dir()
-        if claimed:
-            run_lock.claim(path)
+        _claim(path, claimed)
         return path, False
     path = Path(cfg.dir)
     if path.exists() and not path.is_dir():
@@ -100,15 +100,18 @@ def prepare_run_dir(cfg: RunConfig, claimed: bool = True) -> tuple[Path, bool]:
             "--overwrite to start it again, or choose another --run-dir"
         )
     path.mkdir(parents=True, exist_ok=True)
-    _claim(path, claimed)  # before anything goes: a job still writing there keeps it all
+    key = _claim(path, claimed)  # before anything goes: a job still writing there keeps it all
     if has_content:
-        _empty(path)
+        try:
+            _empty(path)
+        except BaseException:
+            run_lock.release(key)
+            raise
     return path, False
 
 
-def _claim(path: Path, claimed: bool) -> None:
-    if claimed:
-        run_lock.claim(path)
+def _claim(path: Path, claimed: bool) -> Path | None:
+    return run_lock.claim(path) if claimed else None
 
 
 def _empty(path: Path) -> None:

@@ -7,11 +7,13 @@ hosts (and may keep a crashed host's for a while: a requeued Slurm job then take
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from hvdtrain.errors import UserError
@@ -19,58 +21,85 @@ from hvdtrain.errors import UserError
 LOCK_FILE = ".hvdtrain.lock"
 
 _held: dict[Path, int] = {}  # run directory (resolved) -> the open lock file this process holds
+_guard = threading.Lock()  # held across a fork too: a child never sees a claim half made or let go
 
 
 def _forget_in_child() -> None:
     """A forked child (a DataLoader worker) shares the lock with this process and would keep it past
-    this process's end: it lets its copy go."""
+    this process's end: it lets its copies go."""
+    global _guard
     for fd in _held.values():
-        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
     _held.clear()
+    _guard = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+os.register_at_fork(before=lambda: _guard.acquire(), after_in_parent=lambda: _guard.release(),
+                    after_in_child=_forget_in_child)
 
 
-def claim(run_dir: Path) -> None:
-    """Takes the run directory for this process; raises UserError while another process holds it.
-    This process's own earlier claim on it (a fit before, in a script) is let go first. Where the
-    file system has no locks, nothing is claimed."""
-    key = run_dir.resolve()
-    release_all()  # one fit at a time in a process: an earlier fit's claim has ended
-    try:
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        return  # a directory this process cannot write: its first write says so
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        if _own_job_s_last_allocation(holder):
-            sys.stderr.write(f"hvdtrain: warning: run directory '{run_dir}' is still locked for this Slurm job's "
-                             f"last allocation ({_who(holder)}), whose host the file system has not let go of yet: "
-                             "going on without the lock\n")
-            return
-        raise UserError(f"another job is running in run directory '{run_dir}' ({_who(holder)}): wait for it or stop "
-                        "it, or choose another --run-dir") from None
-    except OSError:  # no locks on this file system
-        os.close(fd)
-        return
-    _held[key] = fd
-    facts = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job": os.environ.get("SLURM_JOB_ID")}
-    try:
+def key(run_dir: Path) -> Path:
+    """What names a run directory's claim: its resolved path (taken before any chdir of a fit)."""
+    return run_dir.resolve()
+
+
+def claim(run_dir: Path) -> Path | None:
+    """Takes the run directory for this process and returns the key that `release` takes; raises
+    UserError while another process holds it. This process's own earlier claim on it (a fit before,
+    in a script) is let go first. Where the file system has no locks, nothing is claimed (None)."""
+    claimed = key(run_dir)
+    release(claimed)
+    with _guard:
+        fd = _open(run_dir / LOCK_FILE)
+        if fd is None:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            if _own_job_s_last_allocation(holder):
+                sys.stderr.write(f"hvdtrain: warning: run directory '{run_dir}' is still locked for this Slurm job's "
+                                 f"last allocation ({_who(holder)}), whose host the file system has not let go of "
+                                 "yet: going on without the lock\n")
+                return None
+            raise UserError(f"another job is running in run directory '{run_dir}' ({_who(holder)}): wait for it or "
+                            "stop it, or choose another --run-dir") from None
+        except OSError:  # no locks on this file system
+            os.close(fd)
+            return None
+        _held[claimed] = fd
+    facts = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job": os.environ.get("SLURM_JOB_ID"),
+             "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0")}
+    with contextlib.suppress(OSError):  # the lock holds without its note
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(facts).encode(), 0)
+        os.fsync(fd)  # a shared file system's other hosts read it now, not after the client's cache
+    return claimed
+
+
+def release(claimed: Path | None) -> None:
+    """Lets the run directory of `claim`'s key go (its fit has ended)."""
+    with _guard:
+        fd = _held.pop(claimed, None) if claimed is not None else None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # no note of a holder that has gone
+            os.close(fd)  # the lock's last descriptor (forked children closed theirs): unlocked
+
+
+def _open(path: Path) -> int | None:
+    """The lock file, made if need be; read-only where it is another user's (flock needs no more)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o664)
+    except PermissionError:
+        with contextlib.suppress(OSError):
+            return os.open(path, os.O_RDONLY)
     except OSError:
-        pass  # the lock holds without its note
-
-
-def release_all() -> None:
-    """Lets every run directory this process holds go (its fit has ended)."""
-    for fd in _held.values():
-        os.close(fd)  # the lock's last descriptor (forked children closed theirs): unlocked
-    _held.clear()
+        pass
+    sys.stderr.write(f"hvdtrain: warning: cannot open {path}: this run does not lock its run directory\n")
+    return None
 
 
 def _holder(fd: int) -> dict:
@@ -89,8 +118,10 @@ def _who(holder: dict) -> str:
 
 
 def _own_job_s_last_allocation(holder: dict) -> bool:
-    """The holder is this Slurm job before its requeue (the job runs again only once its last
-    allocation has ended): a crashed node's lock that the file system still keeps."""
-    job = os.environ.get("SLURM_JOB_ID")
-    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
-    return bool(job) and holder.get("slurm_job") == job and restarts.isdigit() and int(restarts) > 0
+    """The holder is this Slurm job in an earlier allocation (the job runs again only once that one
+    has ended): a crashed node's lock that the file system still keeps. Not another step of this
+    allocation, which holds the same job id and restart count."""
+    job, restarts, held_in = (os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "0"),
+                              str(holder.get("slurm_restart", "")))
+    return bool(job) and holder.get("slurm_job") == job and restarts.isdigit() and held_in.isdigit() and \
+        int(held_in) < int(restarts)

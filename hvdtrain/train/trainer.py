@@ -76,6 +76,7 @@ class Trainer:
         self.stops: StopPolicy = NeverStop()
         self.hooks = Hooks()
         self.run_dir: Path | None = None  # rank 0's, until `begin`
+        self.claimed: Path | None = None  # rank 0's claim on its run directory (run_lock), let go at the end
         self.resumed_optimizer: dict[str, Any] | None = None
         """Rank 0, resuming with a sharded optimizer: the whole optimizer state, for the others' shares."""
         self.resumed_powersgd: dict[str, Any] | None = None
@@ -102,6 +103,7 @@ class Trainer:
             return Start()
         # Not under --elastic: a process that joins as rank 0 while the first rank 0 lives claims again.
         self.run_dir, resuming = prepare_run_dir(self.config.run, claimed=not self.config.train.elastic)
+        self.claimed = run_lock.key(self.run_dir)
         if not resuming:
             return Start()
         start, self.resumed_optimizer, self.resumed_powersgd = restore(self.run, self.config, self.run_dir, self.engine)
@@ -126,7 +128,7 @@ class Trainer:
         else:
             self.end_data_workers()
         finally:
-            run_lock.release_all()
+            run_lock.release(self.claimed)
 
     def end_data_workers(self, at_once: bool = False) -> None:
         current = getattr(self, "shard", None)
