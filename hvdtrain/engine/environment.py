@@ -80,10 +80,11 @@ def launcher_facts() -> tuple[int, int, int, int] | None:
             rank, size = _number(names[0]), _number(names[1])
             local_rank = _number(names[2]) if names[2] in os.environ else rank
             given = _number(names[3]) if names[3] in os.environ else None
-            # dist: Slurm's own count is the allocation's (srun -n 2 in --ntasks-per-node=4 gave 4); the
-            # step's per-node list is this step's
-            local_size = (_slurm_tasks_here() or given if names is SLURM else given or _slurm_tasks_here()) or size
-            return rank, size, local_rank, local_size
+            if names is SLURM:  # dist: SLURM_NTASKS_PER_NODE is the allocation's (srun -n 2 in
+                local_size = _slurm_tasks_here() or given  # --ntasks-per-node=4 gave 4); the list is the step's
+            else:
+                local_size = given or _slurm_tasks_here()
+            return rank, size, local_rank, local_size or size
     return None
 
 

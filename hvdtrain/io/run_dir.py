@@ -61,8 +61,8 @@ def read_metrics(path: Path, warn: Callable[[str], None] = lambda message: None)
 def prepare_run_dir(cfg: RunConfig, claimed: bool = True) -> tuple[Path, bool]:
     """Checks the directory against --resume/--overwrite and makes it ready (rank 0 only).
     Returns it and whether the run goes on from a checkpoint there. `claimed`: this process holds
-    it until `run_lock.release(run_lock.key(path))` (a job running there
-    already is refused before anything changes)."""
+    it (run_lock) until its fit ends, and a job running there already is refused before anything
+    changes."""
     if cfg.dir is None:
         if cfg.resume:
             raise UserError(f"--resume{' auto' if cfg.resume == 'auto' else ''} needs --run-dir: the run directory "
