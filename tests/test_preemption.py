@@ -336,8 +336,9 @@ def ten_epochs(tmp_path_factory) -> Path:
 # exits 1), so SIGTERM goes through hvdtrain's horovodrun, which keeps mpirun in front of it.
 # pod+mpirun: mpirun as a Kubernetes pod runs it, under hvdtrain's PID-1 entry (hvdtrain.cli.pod), which
 # gets the pod's SIGTERM.
-LAUNCHER_SIGNALS = [("horovodrun-mpi", "SIGTERM"), ("horovodrun-gloo", "SIGTERM"), ("torchrun", "SIGTERM"),
-                    ("torchrun", "SIGUSR1"), ("mpirun", "SIGUSR1"), ("pod+mpirun", "SIGTERM")]
+# (horovodrun --gloo: Ctrl-C below, which it passes on as it passes SIGTERM.)
+LAUNCHER_SIGNALS = [("horovodrun-mpi", "SIGTERM"), ("torchrun", "SIGTERM"), ("torchrun", "SIGUSR1"),
+                    ("mpirun", "SIGUSR1"), ("pod+mpirun", "SIGTERM")]
 
 
 @pytest.mark.parametrize("launcher, name", LAUNCHER_SIGNALS)
@@ -366,6 +367,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_a_checkpoint_and_leaves_
     # Inside epoch 3 as a rule; at the end of epoch 2 when it came during that epoch's checkpoint.
     assert len(re.findall(rf"hvdtrain: stopped by {name} at (the end of )?epoch", output)) == 1, output[-3000:]
     assert "Traceback" not in output and "hvdtrain: error" not in output, output[-3000:]
+    assert not (run_dir / "where.json").exists()  # rank 0 ended its own way, not killed by the launcher
     # Every process of the job is gone within 30 s (the ranks, mpirun, the launcher), not only the launcher.
     while [p for p in family if _alive(p)] and time.monotonic() < signalled + 30:
         time.sleep(0.1)
@@ -375,6 +377,29 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_a_checkpoint_and_leaves_
     resumed = fit(launcher, run_dir, "--resume", "--epochs", "10")
     assert_ok(resumed)
     assert_same_weights(final_weights(ten_epochs), final_weights(run_dir), atol=1e-6)
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-mpi", "horovodrun-gloo"])
+def test_ctrl_c_in_a_terminal_stops_every_rank_with_a_checkpoint_however_long_it_takes(launcher, uninterrupted,
+                                                                                      tmp_path):
+    """Ctrl-C reaches every process of the terminal's foreground group: the launcher, and under MPI mpirun,
+    which gave the ranks SIGTERM a second later and SIGKILL a second after that, in the stop's checkpoint
+    (here 3 s). Under Gloo Horovod took the first rank to exit 75 for a failure and killed the others on
+    their way out. Each stops at the step, writes its checkpoint, exits 75, and the resume is exact."""
+    run_dir, group = tmp_path / "run", tmp_path / "group"
+    env = {**launch_env(), "HVDTRAIN_TEST_SIGNAL": "0:5:SIGINT:terminal", "HVDTRAIN_TEST_TERMINAL": str(group),
+           "HVDTRAIN_TEST_DROPOUT": "0.2", "HVDTRAIN_TEST_SLOW_SAVE": f"3:{tmp_path / 'saving'}"}
+    job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *ARGS, "--run-dir", str(run_dir)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    group.write_text(str(job.pid))  # the launcher leads its group, as a shell's job does
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode == 75, output[-3000:]
+    assert output.count("hvdtrain: stopped by SIGINT at epoch 1, step 5: checkpoint written") == 1, output[-3000:]
+    assert "Traceback" not in output and "failure" not in output, output[-3000:]
+    assert not (run_dir / "where.json").exists()  # rank 0 ended its own way
+    resumed = fit(launcher, run_dir, "--resume")
+    assert_ok(resumed)
+    assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
 
 
 def test_a_pod_s_command_that_outlives_its_ranks_gets_the_signal_after_they_stopped(tmp_path):

@@ -392,7 +392,9 @@ class _SignalsItself(nn.Module):
     """The built-in MLP (with dropout, so that a resume is exact only with the random states restored)
     that, given HVDTRAIN_TEST_SIGNAL=RANK:N:SIGNAL, sends SIGNAL to its own process in its Nth training
     forward pass on that rank (RANK `all`: every rank; N `vK`: its Kth evaluation forward pass), as a
-    scheduler would at that moment (RANK:N:SIGNAL:workers: to its data-loader workers first). HVDTRAIN_TEST_OVERFLOW=N: rank 1's gradient overflows in fp16 in its
+    scheduler would at that moment (RANK:N:SIGNAL:workers: to its data-loader workers first; RANK:N:SIGNAL:terminal:
+    instead to the process group whose id is in the file HVDTRAIN_TEST_TERMINAL, as a terminal's Ctrl-C reaches
+    the launcher in front of it). HVDTRAIN_TEST_OVERFLOW=N: rank 1's gradient overflows in fp16 in its
     Nth training forward pass.
     HVDTRAIN_TEST_DROPOUT sets the dropout (0: none, for runs compared across world sizes);
     HVDTRAIN_TEST_EXIT_SIGNAL as `_signal_at_exit`."""
@@ -405,6 +407,7 @@ class _SignalsItself(nn.Module):
         self.inner, self.dropout, self.forwards = inner, nn.Dropout(float(os.environ.get("HVDTRAIN_TEST_DROPOUT", 0.2))), 0
         rank, count, name, *also = (os.environ.get("HVDTRAIN_TEST_SIGNAL", "") or "-1:0:SIGTERM").split(":")
         self.to_workers = also == ["workers"]  # its data-loader workers get it first, as Slurm signals them all
+        self.to_terminal = also == ["terminal"]
         mine = rank in ("all", str(_rank()))
         # N counts training forward passes; vN evaluation ones.
         self.signal_at = int(count) if mine and not count.startswith("v") else None
@@ -423,7 +426,11 @@ class _SignalsItself(nn.Module):
 
                     for child in psutil.Process().children():
                         os.kill(child.pid, getattr(signal, self.signal_name))
-                os.kill(os.getpid(), getattr(signal, self.signal_name))
+                if self.to_terminal:
+                    with open(os.environ["HVDTRAIN_TEST_TERMINAL"]) as group:
+                        os.killpg(int(group.read()), getattr(signal, self.signal_name))
+                else:
+                    os.kill(os.getpid(), getattr(signal, self.signal_name))
             if str(self.forwards) == os.environ.get("HVDTRAIN_TEST_OVERFLOW") and _rank() == 1:
                 return _BlowUpGradient.apply(self.inner(self.dropout(x)))
         else:

@@ -31,12 +31,20 @@ from hvdtrain.cli.leaving import leave_without_teardown
 STOPPED = 75  # every rank stopped on a signal with a checkpoint (hvdtrain.errors.StoppedBySignal)
 ANOTHER_RANK_FAILED = 76  # dist: a rank whose collective broke off as another failed (hvdtrain.errors)
 FAILED_JOB_GRACE_SECONDS = 5
+# After a rank stopped on a signal, how long the others have to finish their own way out of the stop.
+STOPPED_GRACE_SECONDS = 30.0
 
 
 class _ExecAsChild:
     """`os` for Horovod's MPI launch, except that `execve` of mpirun runs it as a child and exits
     with its status: exec'd in place, a signal to horovodrun reached only the shell it became,
-    which died and left mpirun and the ranks running."""
+    which died and left mpirun and the ranks running.
+
+    mpirun runs in a process group of its own, so a terminal's Ctrl-C reaches this entry alone, which
+    passes it to the ranks (`forward_to_ranks`) and exits with their 75. Given the SIGINT too, mpirun
+    sent the ranks SIGTERM a second later and SIGKILL a second after that (Open MPI's
+    odls_base_sigkill_timeout), killing them in the checkpoint of the stop. A hang-up (the terminal
+    closed) still ends the job as it did: it is passed to mpirun's group (Horovod's shell and mpirun)."""
 
     def __getattr__(self, name: str) -> object:
         return getattr(os, name)
@@ -45,7 +53,10 @@ class _ExecAsChild:
     def execve(path: str, args: list[str], env: dict[str, str]) -> None:
         import subprocess
 
-        code = subprocess.Popen(args, executable=path, env=env).wait()  # signals meanwhile: forward_to_ranks
+        own_group: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+        mpirun = subprocess.Popen(args, executable=path, env=env, **own_group)
+        signal.signal(signal.SIGHUP, lambda number, frame: os.killpg(mpirun.pid, number))
+        code = mpirun.wait()  # stop signals meanwhile: forward_to_ranks
         sys.exit(code if code >= 0 else 128 - code)
 
 
@@ -83,7 +94,7 @@ def horovodrun() -> None:
             print(f"horovodrun: {line}", file=sys.stderr, flush=True)
         sys.exit(code)
     workers.output.release()
-    sys.exit(code)
+    sys.exit(STOPPED if workers.stopped else code)
 
 
 class _GlooWorkers:
@@ -96,7 +107,12 @@ class _GlooWorkers:
         self.threads = threads
         self.exits: dict[int, tuple[int, float]] = {}  # by rank, once all have ended
         self.output = _PeerGoneHeldBack(sys.stderr)
+        self.commands = _StoppedIsNoFailure(gloo_run)
         gloo_run.threads = self  # launch_gloo's one call, below
+
+    @property
+    def stopped(self) -> bool:
+        return bool(self.commands.stopped)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.threads, name)
@@ -108,7 +124,50 @@ class _GlooWorkers:
         finally:
             sys.stderr = self.output.stream
         self.exits.update(results)
+        for rank in self.commands.stopped & set(self.exits):
+            self.exits[rank] = (STOPPED, self.exits[rank][1])
         return results
+
+
+class _StoppedIsNoFailure:
+    """Horovod's Gloo launcher runs each worker's command through this (`safe_shell_exec.execute`): a
+    worker that stopped on a signal (75) is no failure to it. Horovod would say "Terminating remaining
+    workers after failure" and kill the others while they left the same stop their own way (rank 0,
+    still removing its files, died of it under Ctrl-C): they get STOPPED_GRACE_SECONDS to end. Not under
+    the elastic driver, which counts a worker's exit its own way."""
+
+    def __init__(self, gloo_run) -> None:
+        from horovod.runner.common.util import safe_shell_exec
+
+        self.shell = safe_shell_exec
+        self.stopped: set[int] = set()  # the ranks that exited with STOPPED
+        self.grace_over = threading.Event()
+        self.elastic = False
+        gloo_run.safe_shell_exec = self
+        exec_command_fn = gloo_run._exec_command_fn
+
+        def watched(settings: Any) -> Any:
+            self.elastic = bool(settings.elastic)
+            return exec_command_fn(settings)
+
+        gloo_run._exec_command_fn = watched
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.shell, name)
+
+    def execute(self, command: str, *args: Any, index: int | None = None, events: list | None = None,
+                **kwargs: Any) -> int:
+        if self.elastic:
+            return self.shell.execute(command, *args, index=index, events=events, **kwargs)
+        code = self.shell.execute(command, *args, index=index, events=[*(events or []), self.grace_over], **kwargs)
+        if code != STOPPED:
+            return code
+        if not self.stopped:
+            timer = threading.Timer(STOPPED_GRACE_SECONDS, self.grace_over.set)
+            timer.daemon = True
+            timer.start()
+        self.stopped.add(-1 if index is None else index)
+        return 0  # to Horovod; to the entry, STOPPED (`_GlooWorkers.exits`)
 
 
 class _PeerGoneHeldBack:
