@@ -159,6 +159,19 @@ def test_checkpoint_of_another_task(existing_run, capsys):
     assert snapshot(existing_run) == before
 
 
+def test_checkpoint_of_another_optimizer(existing_run, capsys):
+    """SGD's state resumed with AdamW: the optimizer it was written with is named, not a KeyError's 'step'."""
+    before = snapshot(existing_run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--engine", "local", "--data", "random", "--set", "data.samples=256", "--optimizer", "adamw",
+              "--epochs", "2", "--run-dir", str(existing_run), "--resume"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "holds the state of optimizer 'sgd', which does not fit this run's 'adamw': resume with --optimizer sgd" \
+        in err and "Traceback" not in err, err
+    assert snapshot(existing_run) == before
+
+
 def test_debug_shows_the_traceback(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--engine", "local", "--data", "imagenet", "--debug"])

@@ -206,6 +206,11 @@ def restore(run: Run, config: Config, run_dir: Path,
     try:
         run.optimizer.load_state_dict(engine.own_share(run.optimizer, whole))
     except (ValueError, KeyError) as err:
+        written = state.get("config", {}).get("optim", {}).get("name")
+        if written and written != config.optim.name:
+            raise UserError(f"checkpoint '{path}' holds the state of optimizer '{written}', which does not fit "
+                            f"this run's '{config.optim.name}': resume with --optimizer {written}, or start a new "
+                            "run in another --run-dir") from err
         raise UserError(f"checkpoint '{path}' has optimizer state that does not fit optim.name "
                         f"'{config.optim.name}': {err}") from err
     run.precision.load_state_dict(state.get("scaler", {}))
