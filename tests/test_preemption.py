@@ -395,6 +395,9 @@ def test_ctrl_c_in_a_terminal_stops_every_rank_with_a_checkpoint_however_long_it
     output, _ = job.communicate(timeout=120)
     assert job.returncode == 75, output[-3000:]
     assert output.count("hvdtrain: stopped by SIGINT at epoch 1, step 5: checkpoint written") == 1, output[-3000:]
+    # Said at once, before the checkpoint's seconds: the key was heard, and what a second press costs.
+    heard = output.find("hvdtrain: SIGINT: every rank stops at epoch 1, step 5, writing a checkpoint first")
+    assert -1 < heard < output.find("hvdtrain: stopped by SIGINT"), output[-3000:]
     assert "Traceback" not in output and "failure" not in output, output[-3000:]
     assert not (run_dir / "where.json").exists()  # rank 0 ended its own way
     resumed = fit(launcher, run_dir, "--resume")

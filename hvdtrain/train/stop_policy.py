@@ -129,6 +129,8 @@ class StopPolicy:
                       or bool(callbacks and callbacks.on_steps))
         self.callback_stop = False
         """Set at a check where a callback on some rank asked to stop: every rank stops at that step."""
+        self.signal_at_epoch_end: str | None = None
+        """The signal every rank stops for at the end of this epoch (`at_epoch_end`), if any."""
         self.next_check, self.interval = 0, 1
         self.last_check: tuple[int, float] | None = None  # (step, time) of the previous check
 
@@ -174,7 +176,7 @@ class StopPolicy:
         """What stops every rank at the end of `epoch` (not the last): a signal agreed there (one arriving
         during evaluation or the epoch's checkpoint), else a callback's stop; None to go on."""
         # dist: a signal during evaluation or the checkpoint write stops every rank here, not a step later.
-        stop = self._signal_at_epoch_end()
+        stop = self.signal_at_epoch_end = self._signal_at_epoch_end()
         if stop is not None:
             return functools.partial(StoppedBySignal, f"stopped by {stop} at the end of epoch {epoch}, step "
                                      f"{step:,}: checkpoint written; continue with --resume")
@@ -204,7 +206,7 @@ class NeverStop(StopPolicy):
     are its checkpoints; Horovod's driver replaces a worker that dies)."""
 
     def __init__(self) -> None:
-        self.callback_stop = False
+        self.callback_stop, self.signal_at_epoch_end = False, None
 
     def after_step(self, step: int, last_of_epoch: bool) -> tuple[bool, str | None]:
         return False, None

@@ -182,9 +182,17 @@ class Trainer:
         stop = self.stops.at_epoch_end(epoch, step) if not last else None  # dist: one answer for every rank
         if stop is not None:
             if not saved:
+                self._say_stopping(self.stops.signal_at_epoch_end, f"the end of epoch {epoch}")
                 self._save_epoch(epoch, step, metrics)
             raise stop()
         return step
+
+    def _say_stopping(self, signal: str | None, where: str) -> None:
+        """Rank 0, as soon as every rank agreed to stop on a signal and before the checkpoint (which may take
+        minutes): the user who pressed Ctrl-C learns that it was heard, and what a second one costs."""
+        if signal is not None and self.engine.is_root:
+            print(f"hvdtrain: {signal}: every rank stops at {where}, writing a checkpoint first (signal again to "
+                  "end at once, without it)", file=sys.stderr, flush=True)
 
     def _begin_epoch(self, epoch: int, step: int, resumed: Start | None) -> _Epoch:
         engine = self.engine
@@ -235,6 +243,9 @@ class Trainer:
         if self.callbacks.on_steps:
             self.callbacks.call("on_step_end", now.number, step, {"train_loss": float(loss)})
         write, signal = self.stops.after_step(step, last_of_epoch=done == now.steps)
+        if signal is not None:
+            self.loggers.end_epoch()  # type: ignore[union-attr]
+            self._say_stopping(signal, f"epoch {now.number}, step {step:,}")
         if write:
             self.checkpointer.save_inside(now.number, step, self.learning_rate.lr_batch, position, now.sums,
                                           self.shard.sampler)
