@@ -392,17 +392,44 @@ def test_ctrl_c_in_a_terminal_stops_every_rank_with_a_checkpoint_however_long_it
     job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *ARGS, "--run-dir", str(run_dir)], env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     group.write_text(str(job.pid))  # the launcher leads its group, as a shell's job does
-    output, _ = job.communicate(timeout=120)
+    try:
+        output, _ = job.communicate(timeout=120)
+    finally:
+        left = _processes_of(run_dir, within=30)
+        _kill(left)
     assert job.returncode == 75, output[-3000:]
-    assert output.count("hvdtrain: stopped by SIGINT at epoch 1, step 5: checkpoint written") == 1, output[-3000:]
+    assert not left, [p.pid for p in left]  # every rank, mpirun and the launcher gone
+    # At the step after the signal reached the ranks through the launcher: the fifth or a little later.
+    stopped = re.findall(r"hvdtrain: stopped by SIGINT at epoch 1, step (\d+): checkpoint written", output)
+    assert len(stopped) == 1 and int(stopped[0]) >= 5, output[-3000:]
     # Said at once, before the checkpoint's seconds: the key was heard, and what a second press costs.
-    heard = output.find("hvdtrain: SIGINT: every rank stops at epoch 1, step 5, writing a checkpoint first")
+    heard = output.find(f"hvdtrain: SIGINT: every rank stops at epoch 1, step {stopped[0]}, writing a checkpoint first")
     assert -1 < heard < output.find("hvdtrain: stopped by SIGINT"), output[-3000:]
     assert "Traceback" not in output and "failure" not in output, output[-3000:]
     assert not (run_dir / "where.json").exists()  # rank 0 ended its own way
     resumed = fit(launcher, run_dir, "--resume")
     assert_ok(resumed)
     assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
+
+
+def test_the_horovodrun_entry_killed_ends_mpirun_and_every_rank(tmp_path):
+    """mpirun runs in a process group of its own (Ctrl-C is the entry's to pass on), so `kill -9 %1` or
+    `timeout -k` reaches the entry alone: mpirun, told of its parent's death, ends the ranks."""
+    run_dir = tmp_path / "run"
+    env = {**launch_env(), "HVDTRAIN_TEST_SIGNAL": "", "HVDTRAIN_TEST_DROPOUT": "0.2"}
+    log = tmp_path / "log"
+    with log.open("w") as out:
+        job = subprocess.Popen([*LAUNCHERS["horovodrun-mpi"], "hvdtrain", "fit", *ARGS, "--epochs", "5000", "--run-dir",
+                                str(run_dir)], env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not (run_dir / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.kill()
+    job.wait()
+    left = _processes_of(run_dir, within=30)
+    _kill(left)
+    assert (run_dir / "checkpoints" / "last.pt").exists(), log.read_text()[-3000:]
+    assert not left, [p.pid for p in left]
 
 
 def test_a_pod_s_command_that_outlives_its_ranks_gets_the_signal_after_they_stopped(tmp_path):
@@ -499,6 +526,34 @@ def _ranks(launcher) -> dict:
         if rank is not None and "hvdtrain" in " ".join(process.cmdline()):
             found.setdefault(int(rank), process)
     return found
+
+
+def _processes_of(run_dir: Path, within: float) -> list:
+    """The processes whose command line names `run_dir` still alive after waiting up to `within` s."""
+    import psutil
+
+    deadline = time.monotonic() + within
+    while True:
+        left = []
+        for process in psutil.process_iter():
+            try:
+                if str(run_dir) in " ".join(process.cmdline()) and _alive(process):
+                    left.append(process)
+            except psutil.Error:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def _kill(processes: list) -> None:
+    import psutil
+
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.Error:  # gone meanwhile
+            pass
 
 
 def _alive(process) -> bool:

@@ -17,12 +17,13 @@ after a clean stop).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from hvdtrain.cli import forwarding
 from hvdtrain.cli.forwarding import forward_to_ranks
@@ -33,6 +34,7 @@ ANOTHER_RANK_FAILED = 76  # dist: a rank whose collective broke off as another f
 FAILED_JOB_GRACE_SECONDS = 5
 # After a rank stopped on a signal, how long the others have to finish their own way out of the stop.
 STOPPED_GRACE_SECONDS = 30.0
+PR_SET_PDEATHSIG = 1  # Linux's prctl option: a signal to this process when its parent dies
 
 
 class _ExecAsChild:
@@ -41,10 +43,11 @@ class _ExecAsChild:
     which died and left mpirun and the ranks running.
 
     mpirun runs in a process group of its own, so a terminal's Ctrl-C reaches this entry alone, which
-    passes it to the ranks (`forward_to_ranks`) and exits with their 75. Given the SIGINT too, mpirun
-    sent the ranks SIGTERM a second later and SIGKILL a second after that (Open MPI's
-    odls_base_sigkill_timeout), killing them in the checkpoint of the stop. A hang-up (the terminal
-    closed) still ends the job as it did: it is passed to mpirun's group (Horovod's shell and mpirun)."""
+    passes it to the ranks here (`forward_to_ranks`; with none here, to mpirun) and exits with their 75.
+    Given the SIGINT too, mpirun sent the ranks SIGTERM a second later and SIGKILL a second after that
+    (Open MPI's odls_base_sigkill_timeout), killing them in the checkpoint of the stop. What ended the
+    job before still does: a hang-up (the terminal closed) is passed to mpirun, and mpirun gets one too
+    when this entry dies (kill -9 of the job, `timeout -k`), which ends its ranks."""
 
     def __getattr__(self, name: str) -> object:
         return getattr(os, name)
@@ -53,11 +56,36 @@ class _ExecAsChild:
     def execve(path: str, args: list[str], env: dict[str, str]) -> None:
         import subprocess
 
-        own_group: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-        mpirun = subprocess.Popen(args, executable=path, env=env, **own_group)
-        signal.signal(signal.SIGHUP, lambda number, frame: os.killpg(mpirun.pid, number))
+        if len(args) == 3 and args[1] == "-c":  # Horovod's `sh -c "mpirun ..."`: mpirun in the shell's place,
+            args = [args[0], "-c", f"exec {args[2]}"]  # this entry's child, whom a signal here can reach
+        mpirun: subprocess.Popen | None = None
+
+        def pass_hang_up(number: int, frame: object) -> None:
+            if mpirun is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(mpirun.pid, number)
+
+        if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # nohup's jobs outlive the terminal
+            signal.signal(signal.SIGHUP, pass_hang_up)
+        mpirun = subprocess.Popen(args, executable=path, env=env, preexec_fn=_alone_and_ends_with(os.getpid()))
         code = mpirun.wait()  # stop signals meanwhile: forward_to_ranks
         sys.exit(code if code >= 0 else 128 - code)
+
+
+def _alone_and_ends_with(parent: int) -> Callable[[], None]:
+    """For mpirun's process, before it runs: a process group of its own, and SIGHUP when `parent` dies."""
+    import ctypes
+
+    prctl = getattr(ctypes.CDLL(None), "prctl", None)  # Linux's; looked up here, not in the child before exec
+
+    def child() -> None:
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
+            if os.getppid() != parent:  # died before the line above
+                os.kill(os.getpid(), signal.SIGHUP)
+
+    return child
 
 
 def horovodrun() -> None:
@@ -94,6 +122,9 @@ def horovodrun() -> None:
             print(f"horovodrun: {line}", file=sys.stderr, flush=True)
         sys.exit(code)
     workers.output.release()
+    if workers.commands.ended_late:
+        print(f"horovodrun: worker {', '.join(map(str, sorted(workers.commands.ended_late)))} had not ended "
+              f"{STOPPED_GRACE_SECONDS:.0f} s after the others stopped, and was ended", file=sys.stderr, flush=True)
     sys.exit(STOPPED if workers.stopped else code)
 
 
@@ -141,6 +172,7 @@ class _StoppedIsNoFailure:
 
         self.shell = safe_shell_exec
         self.stopped: set[int] = set()  # the ranks that exited with STOPPED
+        self.ended_late: set[int] = set()  # the ranks still running STOPPED_GRACE_SECONDS after that, ended
         self.grace_over = threading.Event()
         self.elastic = False
         gloo_run.safe_shell_exec = self
@@ -160,6 +192,9 @@ class _StoppedIsNoFailure:
         if self.elastic:
             return self.shell.execute(command, *args, index=index, events=events, **kwargs)
         code = self.shell.execute(command, *args, index=index, events=[*(events or []), self.grace_over], **kwargs)
+        if code != STOPPED and self.grace_over.is_set():  # ended by the grace's end, after the others' stop
+            self.ended_late.add(-1 if index is None else index)
+            return 0
         if code != STOPPED:
             return code
         if not self.stopped:

@@ -135,6 +135,9 @@ class TaskConfig:
         require(self.huber_delta > 0, "task.huber_delta", f"must be positive, got {self.huber_delta}")
 
 
+BUILT_IN_OPTIMIZERS = frozenset({"sgd", "adamw"})
+
+
 @dataclass
 class OptimConfig:
     name: str = "sgd"
@@ -168,7 +171,7 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         require(self.lr > 0, "optim.lr", f"must be positive, got {self.lr}")
-        require(self.name in ("sgd", "adamw") or ":" in self.name, "optim.name",
+        require(self.name in BUILT_IN_OPTIMIZERS or ":" in self.name, "optim.name",
                 f"must be sgd, adamw or package.module:function, got '{self.name}'")
         _args_need_a_factory(self.args, self.name, "optim")
         if self.lr_batch is not None:

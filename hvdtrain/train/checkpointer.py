@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from hvdtrain.config import Config
+from hvdtrain.config.components import BUILT_IN_OPTIMIZERS
 from hvdtrain.data.sampler import TrainingSampler
 from hvdtrain.engine import Engine
 from hvdtrain.engine.base import on_cpu
@@ -202,15 +203,20 @@ def restore(run: Run, config: Config, run_dir: Path,
     except RuntimeError as err:
         raise UserError(f"checkpoint '{path}' does not fit this model: {message_lines(err, 3)}; "
                         "resume with the model settings it was written with") from err
+    written = state.get("config", {}).get("optim", {}).get("name")
+    another = UserError(f"checkpoint '{path}' holds the state of optimizer '{written}', which does not fit this "
+                        f"run's '{config.optim.name}': resume with --optimizer {written}, or start a new run in "
+                        "another --run-dir")
+    # Two built-in optimizers' states can load into each other (SGD without momentum keeps none) and then
+    # fail at the first step: refused by name. A factory of the user's may well take another's state.
+    if written != config.optim.name and {written, config.optim.name} <= BUILT_IN_OPTIMIZERS:
+        raise another
     whole = _optimizer_state(state["optimizer"], run, config)
     try:
         run.optimizer.load_state_dict(engine.own_share(run.optimizer, whole))
     except (ValueError, KeyError) as err:
-        written = state.get("config", {}).get("optim", {}).get("name")
         if written and written != config.optim.name:
-            raise UserError(f"checkpoint '{path}' holds the state of optimizer '{written}', which does not fit "
-                            f"this run's '{config.optim.name}': resume with --optimizer {written}, or start a new "
-                            "run in another --run-dir") from err
+            raise another from err
         raise UserError(f"checkpoint '{path}' has optimizer state that does not fit optim.name "
                         f"'{config.optim.name}': {err}") from err
     run.precision.load_state_dict(state.get("scaler", {}))
