@@ -17,75 +17,23 @@ after a clean stop).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any
 
 from hvdtrain.cli import forwarding
 from hvdtrain.cli.forwarding import forward_to_ranks
 from hvdtrain.cli.leaving import leave_without_teardown
+from hvdtrain.cli.mpirun_child import MpirunAsChild
 
 STOPPED = 75  # every rank stopped on a signal with a checkpoint (hvdtrain.errors.StoppedBySignal)
 ANOTHER_RANK_FAILED = 76  # dist: a rank whose collective broke off as another failed (hvdtrain.errors)
 FAILED_JOB_GRACE_SECONDS = 5
 # After a rank stopped on a signal, how long the others have to finish their own way out of the stop.
 STOPPED_GRACE_SECONDS = 30.0
-PR_SET_PDEATHSIG = 1  # Linux's prctl option: a signal to this process when its parent dies
-
-
-class _ExecAsChild:
-    """`os` for Horovod's MPI launch, except that `execve` of mpirun runs it as a child and exits
-    with its status: exec'd in place, a signal to horovodrun reached only the shell it became,
-    which died and left mpirun and the ranks running.
-
-    mpirun runs in a process group of its own, so a terminal's Ctrl-C reaches this entry alone, which
-    passes it to the ranks here (`forward_to_ranks`; with none here, to mpirun) and exits with their 75.
-    Given the SIGINT too, mpirun sent the ranks SIGTERM a second later and SIGKILL a second after that
-    (Open MPI's odls_base_sigkill_timeout), killing them in the checkpoint of the stop. What ended the
-    job before still does: a hang-up (the terminal closed) is passed to mpirun, and mpirun gets one too
-    when this entry dies (kill -9 of the job, `timeout -k`), which ends its ranks."""
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(os, name)
-
-    @staticmethod
-    def execve(path: str, args: list[str], env: dict[str, str]) -> None:
-        import subprocess
-
-        if len(args) == 3 and args[1] == "-c":  # Horovod's `sh -c "mpirun ..."`: mpirun in the shell's place,
-            args = [args[0], "-c", f"exec {args[2]}"]  # this entry's child, whom a signal here can reach
-        mpirun: subprocess.Popen | None = None
-
-        def pass_hang_up(number: int, frame: object) -> None:
-            if mpirun is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(mpirun.pid, number)
-
-        if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # nohup's jobs outlive the terminal
-            signal.signal(signal.SIGHUP, pass_hang_up)
-        mpirun = subprocess.Popen(args, executable=path, env=env, preexec_fn=_alone_and_ends_with(os.getpid()))
-        code = mpirun.wait()  # stop signals meanwhile: forward_to_ranks
-        sys.exit(code if code >= 0 else 128 - code)
-
-
-def _alone_and_ends_with(parent: int) -> Callable[[], None]:
-    """For mpirun's process, before it runs: a process group of its own, and SIGHUP when `parent` dies."""
-    import ctypes
-
-    prctl = getattr(ctypes.CDLL(None), "prctl", None)  # Linux's; looked up here, not in the child before exec
-
-    def child() -> None:
-        os.setpgid(0, 0)
-        if prctl is not None:
-            prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
-            if os.getppid() != parent:  # died before the line above
-                os.kill(os.getpid(), signal.SIGHUP)
-
-    return child
 
 
 def horovodrun() -> None:
@@ -96,7 +44,7 @@ def horovodrun() -> None:
     from hvdtrain.cli.build_answers import remember_answers
 
     remember_answers(launch)  # 3 s of a core per launch otherwise
-    mpi_run.os = _ExecAsChild()  # keeps this process, and its handlers, in front of mpirun
+    mpi_run.os = MpirunAsChild()  # keeps this process, and its handlers, in front of mpirun
     # Horovod's Gloo launcher would take SIGINT and SIGTERM over and kill every rank 5 s later,
     # stopped or not: its shutdown event is left unset, the ranks stop themselves.
     gloo_run.register_shutdown_event = threading.Event

@@ -1,0 +1,63 @@
+"""Horovod's MPI launch with mpirun as a child of hvdtrain's `horovodrun` entry (cli/launchers.py), in a
+process group of its own, ended with the entry."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from typing import Callable
+
+PR_SET_PDEATHSIG = 1  # Linux's prctl option: a signal to this process when its parent dies
+
+
+class MpirunAsChild:
+    """`os` for Horovod's MPI launch, except that `execve` of mpirun runs it as a child and exits
+    with its status: exec'd in place, a signal to horovodrun reached only the shell it became,
+    which died and left mpirun and the ranks running.
+
+    mpirun runs in a process group of its own, so a terminal's Ctrl-C reaches this entry alone, which
+    passes it to the ranks here (`forward_to_ranks`; with none here, to mpirun) and exits with their 75.
+    Given the SIGINT too, mpirun sent the ranks SIGTERM a second later and SIGKILL a second after that
+    (Open MPI's odls_base_sigkill_timeout), killing them in the checkpoint of the stop. What ended the
+    job before still does: a hang-up (the terminal closed) is passed to mpirun, and mpirun gets one too
+    when this entry dies (kill -9 of the job, `timeout -k`), which ends its ranks."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    @staticmethod
+    def execve(path: str, args: list[str], env: dict[str, str]) -> None:
+        import subprocess
+
+        if len(args) == 3 and args[1] == "-c":  # Horovod's `sh -c "mpirun ..."`: mpirun in the shell's place,
+            args = [args[0], "-c", f"exec {args[2]}"]  # this entry's child, whom a signal here can reach
+        mpirun: subprocess.Popen | None = None
+
+        def pass_hang_up(number: int, frame: object) -> None:
+            if mpirun is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(mpirun.pid, number)
+
+        if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # nohup's jobs outlive the terminal
+            signal.signal(signal.SIGHUP, pass_hang_up)
+        mpirun = subprocess.Popen(args, executable=path, env=env, preexec_fn=_alone_and_ends_with(os.getpid()))
+        code = mpirun.wait()  # stop signals meanwhile: forward_to_ranks
+        sys.exit(code if code >= 0 else 128 - code)
+
+
+def _alone_and_ends_with(parent: int) -> Callable[[], None]:
+    """For mpirun's process, before it runs: a process group of its own, and SIGHUP when `parent` dies."""
+    import ctypes
+
+    prctl = getattr(ctypes.CDLL(None), "prctl", None)  # Linux's; looked up here, not in the child before exec
+
+    def child() -> None:
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
+            if os.getppid() != parent:  # died before the line above
+                os.kill(os.getpid(), signal.SIGHUP)
+
+    return child
