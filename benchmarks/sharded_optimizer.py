@@ -81,7 +81,8 @@ class ResidentMemory:
                 json.dumps({"rss_anon": kib * 1024, "allocated": allocated_bytes()}))
 
 
-def fit_once(launcher: list[str], flags: list[str], epochs: int, run_dir: Path) -> tuple[list[int], list[int], float]:
+def fit_once(launcher: list[str], flags: list[str], epochs: int, run_dir: Path,
+             device: str = "auto") -> tuple[list[int], list[int], float]:
     """One run: each rank's RssAnon and allocated bytes after epoch 1, and samples/s over the later epochs."""
     import subprocess
 
@@ -89,7 +90,7 @@ def fit_once(launcher: list[str], flags: list[str], epochs: int, run_dir: Path) 
                "--data", "random", "--set", f"data.features={WIDTH}", "--set", "data.samples=1200",
                "--batch-size", "16", "--epochs", str(epochs), "--progress", "off", "--no-tensorboard",
                "--callback", "benchmarks.sharded_optimizer:ResidentMemory", "--lr", "0.0001",
-               "--run-dir", str(run_dir), "--overwrite", *flags]
+               "--run-dir", str(run_dir), "--overwrite", "--device", device, *flags]
     env = environment({**host_settings(), "PYTHONPATH": str(ROOT)})
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     if done.returncode != 0:
@@ -105,6 +106,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="cpu: on a machine with one GPU, where two processes cannot share it")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "sharded_optimizer.json"))
     args = parser.parse_args()
     results: dict[str, dict[str, dict[str, list]]] = {
@@ -113,7 +116,7 @@ def main() -> None:
         for repeat in range(args.repeats):
             for engine, launcher in ENGINES.items():
                 for variant, flags in VARIANTS.items():  # alternating: drift on a shared machine hits all alike
-                    rss, allocated, rate = fit_once(launcher, flags, args.epochs, Path(scratch) / "run")
+                    rss, allocated, rate = fit_once(launcher, flags, args.epochs, Path(scratch) / "run", args.device)
                     for name, value in (("rss", rss), ("allocated", allocated), ("rate", rate)):
                         results[engine][variant][name].append(value)
                     print(f"  run {repeat + 1}/{args.repeats}  {engine}  {variant}: RssAnon "
