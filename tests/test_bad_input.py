@@ -282,3 +282,19 @@ def test_overwrite_through_a_symbolic_link_empties_the_run_it_points_to(tmp_path
     main([*fit, "--epochs", "1", "--overwrite"])
     assert "error" not in capsys.readouterr().err
     assert link.is_symlink() and [record["epoch"] for record in epoch_records(real)] == [1]
+
+
+@pytest.mark.parametrize("env, seconds", [
+    ({}, 30.0), ({"HVDTRAIN_QUIET_RANK_WAIT_SECONDS": "5"}, 5.0), ({"HVDTRAIN_QUIET_RANK_WAIT_SECONDS": "soon"}, 30.0),
+    ({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "h"}, 15.0),  # half of Gloo's rendezvous timeout, inside it
+    ({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "h", "HVDTRAIN_QUIET_RANK_WAIT_SECONDS": "60"}, 15.0),
+    ({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "h", "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}, 30.0)])
+def test_a_rank_with_bad_input_waits_for_rank_0_s_line_as_long_as_asked_within_gloo_s_rendezvous(env, seconds,
+                                                                                                  monkeypatch):
+    from hvdtrain.cli.common import _quiet_rank_wait
+
+    for name in ("HVDTRAIN_QUIET_RANK_WAIT_SECONDS", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_TIMEOUT_SECONDS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert _quiet_rank_wait() == seconds

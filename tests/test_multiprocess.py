@@ -283,7 +283,8 @@ def test_bad_input_that_only_rank_1_meets_before_the_ranks_meet_is_said_by_rank_
     only_rank_1 = 'rank=${HOROVOD_RANK:-${OMPI_COMM_WORLD_RANK:-$RANK}}; [ "$rank" = 1 ] && ' \
                   f'{{ sleep {rank_1_late}; set -- "$@" --set data.batch_size=lots; }}; exec "$@"'
     done = run([*LAUNCHERS[launcher], "sh", "-c", only_rank_1, "sh", "hvdtrain", "fit", "--progress", "off",
-                "--run-dir", str(tmp_path / "r")], timeout=120)
+                "--run-dir", str(tmp_path / "r")], timeout=120,
+               env={"HVDTRAIN_QUIET_RANK_WAIT_SECONDS": "5"})  # rank 1's wait for a line from rank 0 (30 s)
     output = done.stdout + done.stderr
     assert done.returncode != 0 and "Traceback" not in output, output[-3000:]
     errors = [line for line in output.splitlines() if "hvdtrain: error:" in line]

@@ -18,7 +18,8 @@ from hvdtrain.errors import RendezvousFailed, StoppedBySignal, UserError
 # rank once one exits; a quiet rank leaving first would cut off rank 0 before its line (a rank 0 that
 # started late on a loaded host was, after a 10 s wait; imports from a cluster's shared file system
 # can differ by as much between ranks). Rank 0's exit ends the wait sooner: its launcher stops the
-# others then, so the wait costs nothing where rank 0 fails too.
+# others then, so the wait costs nothing where rank 0 fails too. HVDTRAIN_QUIET_RANK_WAIT_SECONDS sets
+# another (a cluster whose ranks start far apart, or a test that waits for the line).
 QUIET_RANK_WAIT_SECONDS = 30.0
 SRUN_QUIET_RANK_WAIT_SECONDS = 10.0
 
@@ -101,13 +102,20 @@ def _quiet_rank_wait() -> float:
     """QUIET_RANK_WAIT_SECONDS, but under horovodrun --gloo half of Gloo's rendezvous timeout (30 s
     unless HOROVOD_GLOO_TIMEOUT_SECONDS): a rank 0 that did not fail waits there for this rank, and
     aborts at the timeout (SIGABRT, named as the failure) unless this rank has spoken and left first."""
+    wait = _seconds("HVDTRAIN_QUIET_RANK_WAIT_SECONDS", QUIET_RANK_WAIT_SECONDS)
     if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ:
-        return QUIET_RANK_WAIT_SECONDS
+        return wait
+    return min(wait, _seconds("HOROVOD_GLOO_TIMEOUT_SECONDS", 30.0) / 2)
+
+
+def _seconds(name: str, default: float) -> float:
+    """A variable's seconds; the default where it is unset or no positive number (an error path reads
+    it, which must not fail in turn)."""
     try:
-        timeout = float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "30"))
+        value = float(os.environ.get(name, default))
     except ValueError:
-        timeout = 30.0
-    return min(QUIET_RANK_WAIT_SECONDS, timeout / 2)
+        return default
+    return value if value > 0 else default
 
 
 def is_rank_0() -> bool:
