@@ -1,7 +1,7 @@
 """What sharding the optimizer state saves, and what it costs: a 50 M-parameter model with AdamW on
 2 processes, sharded against unsharded, side by side in one run, under both engines.
 
-    python benchmarks/sharded_optimizer.py [--repeats 2] [--epochs 2]     (part of `make bench`)
+    python benchmarks/sharded_optimizer.py [--repeats 2] [--epochs 2] [--device cpu]   (part of `make bench`)
 
 Each rank's resident memory (RssAnon from /proc/self/status, read by a callback at the end of the
 first epoch) is measured for three runs of the same model: AdamW unsharded, AdamW sharded, and plain

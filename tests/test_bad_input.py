@@ -286,6 +286,7 @@ def test_overwrite_through_a_symbolic_link_empties_the_run_it_points_to(tmp_path
 
 @pytest.mark.parametrize("env, seconds", [
     ({}, 30.0), ({"HVDTRAIN_QUIET_RANK_WAIT_SECONDS": "5"}, 5.0), ({"HVDTRAIN_QUIET_RANK_WAIT_SECONDS": "soon"}, 30.0),
+    ({"HVDTRAIN_QUIET_RANK_WAIT_SECONDS": "inf"}, 30.0), ({"HVDTRAIN_QUIET_RANK_WAIT_SECONDS": "0"}, 30.0),
     ({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "h"}, 15.0),  # half of Gloo's rendezvous timeout, inside it
     ({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "h", "HVDTRAIN_QUIET_RANK_WAIT_SECONDS": "60"}, 15.0),
     ({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "h", "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}, 30.0)])

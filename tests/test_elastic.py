@@ -8,6 +8,7 @@ hostfile that the test edits while the job runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -78,6 +79,23 @@ def worker_on(host: str) -> int:
     raise AssertionError(f"no worker found on {host}")
 
 
+@contextlib.contextmanager
+def ended_whatever_happens(job: subprocess.Popen):
+    """A job still running when the block is left (a failed assertion, a timeout) is ended: it runs in a
+    session of its own, which nothing of pytest's reaches, and would load the tests after it. The
+    launcher is asked first (it ends its workers), then killed."""
+    try:
+        yield
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGTERM)
+            try:
+                job.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+
+
 def finish(job: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
     try:
         out, err = job.communicate(timeout=timeout)
@@ -93,28 +111,30 @@ def test_a_lost_worker_is_survived_and_a_new_one_joins(ssh_hosts, tmp_path):
 
     # The undisturbed run to compare with, beside the disturbed one: three processes throughout, not
     # elastic and not paced (its epochs' val_acc are an elastic run's of three workers, to the last digit).
-    calm_dir = tmp_path / "calm"
-    calm_job = subprocess.Popen(
-        ["horovodrun", "--gloo", "-np", "3", "hvdtrain", "fit", "--model", "mlp", "--epochs", str(EPOCHS),
-         "--threads", "1", "--progress", "off", "--run-dir", str(calm_dir)],
-        env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    calm_dir, calm_log = tmp_path / "calm", tmp_path / "calm.log"
+    with calm_log.open("w") as log:
+        calm_job = subprocess.Popen(
+            ["horovodrun", "--gloo", "-np", "3", "hvdtrain", "fit", "--model", "mlp", "--epochs", str(EPOCHS),
+             "--threads", "1", "--progress", "off", "--run-dir", str(calm_dir)],
+            env=launch_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     write_hosts(hostfile, FIRST_HOSTS)
     run_dir = tmp_path / "disturbed"
     # The worker on the host to lose stops in epoch 4's fourth step (7 steps per epoch), so the
     # last commit before it is lost is the one after step 2: inside the epoch, not at its start.
     held = tmp_path / "held"
-    job = start_elastic(ssh_hosts, hostfile, run_dir, HVDTRAIN_TEST_HOLD=f"{LOST_HOST}:{3 * 7 + 4}",
-                        HVDTRAIN_TEST_HOLD_FILE=str(held))
-    wait_for(held.exists, 120, "the worker to lose to reach epoch 4, step 4")
-    assert len(records(run_dir)) == 3
-    os.kill(worker_on(LOST_HOST), signal.SIGKILL)
-    wait_for(lambda: any(r["world_size"] == 2 for r in records(run_dir)), 120, "an epoch with 2 workers")
-    write_hosts(hostfile, (*FIRST_HOSTS, NEW_HOST))  # a new slot: a worker starts there and joins
-    code, out, err = finish(job, timeout=240)
-    assert code == 0, out[-2000:] + err[-3000:]
+    with ended_whatever_happens(calm_job):
+        job = start_elastic(ssh_hosts, hostfile, run_dir, HVDTRAIN_TEST_HOLD=f"{LOST_HOST}:{3 * 7 + 4}",
+                            HVDTRAIN_TEST_HOLD_FILE=str(held))
+        with ended_whatever_happens(job):
+            wait_for(held.exists, 120, "the worker to lose to reach epoch 4, step 4")
+            assert len(records(run_dir)) == 3
+            os.kill(worker_on(LOST_HOST), signal.SIGKILL)
+            wait_for(lambda: any(r["world_size"] == 2 for r in records(run_dir)), 120, "an epoch with 2 workers")
+            write_hosts(hostfile, (*FIRST_HOSTS, NEW_HOST))  # a new slot: a worker starts there and joins
+            code, out, err = finish(job, timeout=240)
+            assert code == 0, out[-2000:] + err[-3000:]
+        assert calm_job.wait(timeout=120) == 0, calm_log.read_text()[-3000:]
 
-    code, calm_out, calm_err = finish(calm_job, timeout=120)
-    assert code == 0, calm_out[-2000:] + calm_err[-3000:]
     calm = records(calm_dir)
     assert {r["world_size"] for r in calm} == {3}
     disturbed = records(run_dir)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -19,7 +20,7 @@ from hvdtrain.errors import RendezvousFailed, StoppedBySignal, UserError
 # started late on a loaded host was, after a 10 s wait; imports from a cluster's shared file system
 # can differ by as much between ranks). Rank 0's exit ends the wait sooner: its launcher stops the
 # others then, so the wait costs nothing where rank 0 fails too. HVDTRAIN_QUIET_RANK_WAIT_SECONDS sets
-# another (a cluster whose ranks start far apart, or a test that waits for the line).
+# another (seconds, positive), under horovodrun --gloo at most half of its rendezvous timeout.
 QUIET_RANK_WAIT_SECONDS = 30.0
 SRUN_QUIET_RANK_WAIT_SECONDS = 10.0
 
@@ -115,7 +116,7 @@ def _seconds(name: str, default: float) -> float:
         value = float(os.environ.get(name, default))
     except ValueError:
         return default
-    return value if value > 0 else default
+    return value if 0 < value < math.inf else default
 
 
 def is_rank_0() -> bool:
