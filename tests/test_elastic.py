@@ -166,10 +166,11 @@ def test_a_stream_goes_on_with_the_samples_no_rank_had_served_when_a_worker_is_l
                         "user_code:paced_records", "--epochs", "3", "--set", "data.shuffle_buffer=100",
                         HVDTRAIN_TEST_HOLD=f"{LOST_HOST}:{8 + 4}", HVDTRAIN_TEST_HOLD_FILE=str(held),
                         HVDTRAIN_TEST_RECORD=str(record), HVDTRAIN_TEST_DROPOUT="0")
-    wait_for(held.exists, 120, "the worker to lose to reach epoch 2, step 4")
-    lost = worker_on(LOST_HOST)
-    os.kill(lost, signal.SIGKILL)
-    code, out, err = finish(job, timeout=240)
+    with ended_whatever_happens(job):  # a held worker waits for ever
+        wait_for(held.exists, 120, "the worker to lose to reach epoch 2, step 4")
+        lost = worker_on(LOST_HOST)
+        os.kill(lost, signal.SIGKILL)
+        code, out, err = finish(job, timeout=240)
     assert code == 0, out[-2000:] + err[-3000:]
     assert [(r["epoch"], r["world_size"]) for r in records(run_dir)] == [(1, 3), (2, 2), (3, 2)]
     assert "elastic: 2 processes now (were 3); going on from epoch 2, sample 384 " in out, out[-2000:]
