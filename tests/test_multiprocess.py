@@ -426,9 +426,8 @@ def _is_rank(cmdline: list[str]) -> bool:
 
 @pytest.fixture(scope="module")
 def long_run(tmp_path_factory):
-    """A run long enough to be killed mid-training, uninterrupted under horovodrun: (its arguments, its directory).
-    The kill comes once epoch 1's checkpoint is written, with 2 of the 3 epochs (seconds each) still to run."""
-    args = [*RANDOM, "--set", "data.samples=30000", "--epochs", "3", "--progress", "off", "--log-every", "25"]
+    """A run long enough to be killed mid-training, uninterrupted under horovodrun: (its arguments, its directory)."""
+    args = [*RANDOM, "--set", "data.samples=60000", "--epochs", "3", "--progress", "off", "--log-every", "25"]
     whole = tmp_path_factory.mktemp("long") / "whole"
     fit_ok("horovodrun-gloo", *args, "--run-dir", str(whole))
     return args, whole
