@@ -112,14 +112,15 @@ class PowerSGD:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's errors and the factors (the same on every rank), on the host, by parameter index."""
-        return {"world_size": self.size, "factors": {i: t.cpu() for i, t in self.factors.items()},
-                "errors": {i: t.cpu() for i, t in self.errors.items()}}
+        # copies: the error buffers are written in place in later steps (on the CPU .cpu() would not copy)
+        return {"world_size": self.size, "factors": {i: t.to("cpu", copy=True) for i, t in self.factors.items()},
+                "errors": {i: t.to("cpu", copy=True) for i, t in self.errors.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Factors and this rank's errors as saved by a run of as many processes and the same model."""
         for name, held in (("factors", self.factors), ("errors", self.errors)):
             for i in held:
-                held[i] = state[name][i].to(held[i].device)
+                held[i] = state[name][i].to(held[i].device, copy=True)  # ours alone: written in place later
 
     def fits(self, state: dict[str, Any]) -> bool:
         """Whether saved state is this run's to load: as many processes, the same matrices and ranks."""
