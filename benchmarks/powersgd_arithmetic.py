@@ -1,5 +1,5 @@
 """PowerSGD's own arithmetic per step (hvdtrain/engine/powersgd.py), beside the model's forward and backward,
-for the two-hosts job's model (benchmarks/two_hosts.py: 17 M parameters, batch 32, rank 2): on one CPU
+for the two-hosts job's model (benchmarks/two_hosts.py: 17 M parameters, batch 32, rank 4, the default): on one CPU
 thread, as each rank of the two-hosts bench runs, and on a GPU. One process, so the collectives are the
 identity: what is timed is the compression alone (error feedback, the two thin products, the
 orthonormalisation and the approximation), which is what held the two-hosts bench below its ceiling.
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.two_hosts import comm_heavy  # noqa: E402
 from hvdtrain.engine.powersgd import PowerSGD  # noqa: E402
 
-BATCH, FEATURES, CLASSES, RANK = 32, 64, 10, 2
+BATCH, FEATURES, CLASSES, RANK = 32, 64, 10, 4
 
 
 class OneProcess:

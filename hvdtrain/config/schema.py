@@ -30,8 +30,9 @@ class TrainConfig:
     """dist: gradients on the wire in half precision: `fp16` (divided by the world size before the sum, so
     that it cannot overflow) or `bf16` (fp32's range; summed in fp32 where each segment is reduced); or
     `powersgd`: each gradient matrix as two low-rank factors, with error feedback (README, Across a slow network)."""
-    powersgd_rank: int = 2
-    """dist: with compression powersgd, the rank of each matrix's factors: higher sends more and loses less."""
+    powersgd_rank: int = 4
+    """dist: with compression powersgd, the rank of each matrix's factors: higher sends more and loses less
+    (at 2, 3 epochs of digits at np=2 ended 2 points of val_acc below fp32; at 4, 0.6)."""
     adasum: bool = False
     """dist: combine gradients with Adasum instead of averaging (needs the MPI controller)."""
     shard_optimizer: bool = False

@@ -36,7 +36,7 @@ class GradientSync:
     shard: bool = False
     """Optimizer state sharded across ranks (`hvdtrain.engine.sharded`): gradients reduce-scattered,
     each rank steps its share, parameters all-gathered."""
-    powersgd_rank: int = 2
+    powersgd_rank: int = 4
     """With `powersgd` compression: the rank of each matrix's factors."""
     seed: int = 0
     """PowerSGD's first factors are drawn from it (the same on every rank)."""

@@ -60,8 +60,10 @@ class PowerSGD:
         self.matrices = [i for i, r in enumerate(self.ranks) if r]
         self.whole = [i for i, r in enumerate(self.ranks) if not r]
         generator = torch.Generator().manual_seed((seed * 1_000_003 + _FACTOR_SEED) % 2**63)
-        self.factors = {i: torch.randn(params[i][0].numel(), self.ranks[i], generator=generator)
-                        .to(params[i].device) for i in self.matrices}
+        # Each Q is kept as the transpose of a row-major r x m matrix: M Q is then 3 times faster on a
+        # CPU than with a row-major m x r one, and P̂ Qᵀ reads Qᵀ row by row
+        self.factors = {i: _row_major_transpose(torch.randn(params[i][0].numel(), self.ranks[i], generator=generator)
+                                                .to(params[i].device)) for i in self.matrices}
         self.errors = {i: torch.zeros(params[i].shape[0], params[i][0].numel(), device=params[i].device)
                        for i in self.matrices}
         # M's buffer, which becomes the error (the old error's buffer then holds the next M), and the
@@ -90,14 +92,15 @@ class PowerSGD:
         users = (summed[offset:] * self.size).round().tolist()
         right = summed.new_zeros(0)
         if self.matrices:  # the same on every rank: the model's
-            # Mᵀ P̂ as (P̂ᵀ M)ᵀ: a row-major product, 15 times faster than the transposed one on a CPU
-            second = torch.cat([(left[i].T @ full[i]).T.reshape(-1) for i in self.matrices])
+            # Mᵀ P̂ as (P̂ᵀ M)ᵀ: a row-major product, 15 times faster than the transposed one on a CPU; sent
+            # as the r x m matrix P̂ᵀ M (the sums are elementwise: the order of the values changes none)
+            second = torch.cat([(left[i].T @ full[i]).reshape(-1) for i in self.matrices])
             right = sum_in_rank_order(self.comm, second, "hvdtrain.powersgd.q") / self.size  # dist
         finite = bool(summed.isfinite().all()) and bool(right.isfinite().all())  # dist: the same on every rank
         offset = 0
         for i in self.matrices:
             m, r = full[i].shape[1], self.ranks[i]
-            factor = right[offset:offset + m * r].view(m, r)
+            factor = right[offset:offset + m * r].view(r, m).T
             offset += m * r
             approximation = torch.mm(left[i], factor.T, out=_writable_gradient(grads[i], params[i], full[i]))
             if finite and users[i]:  # a skipped step (an overflow), or a tensor no rank used, changes no state
@@ -120,13 +123,20 @@ class PowerSGD:
         """Factors and this rank's errors as saved by a run of as many processes and the same model."""
         for name, held in (("factors", self.factors), ("errors", self.errors)):
             for i in held:
-                held[i] = state[name][i].to(held[i].device, copy=True)  # ours alone: written in place later
+                # a copy (ours alone: errors are written in place later), in the layout this class keeps
+                loaded = state[name][i].to(held[i].device, copy=True)
+                held[i] = _row_major_transpose(loaded) if name == "factors" else loaded
 
     def fits(self, state: dict[str, Any]) -> bool:
         """Whether saved state is this run's to load: as many processes, the same matrices and ranks."""
         return state.get("world_size") == self.size and \
             {i: tuple(t.shape) for i, t in state.get("factors", {}).items()} == \
             {i: tuple(t.shape) for i, t in self.factors.items()}
+
+
+def _row_major_transpose(factor: torch.Tensor) -> torch.Tensor:
+    """The m x r factor's values, as the transpose of a row-major r x m matrix."""
+    return factor.T.contiguous().T
 
 
 def _writable_gradient(grad: torch.Tensor, param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor | None:
