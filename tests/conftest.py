@@ -87,6 +87,17 @@ def epoch_records(run_dir: Path) -> list[dict]:
     return read_metrics(path, warn=pytest.fail)
 
 
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """TensorBoard's `steps/train_loss` of a run (run.log_every), by step; each step there once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    points = events.Scalars("steps/train_loss")
+    assert len({p.step for p in points}) == len(points)
+    return {p.step: p.value for p in points}
+
+
 def fit_here(run_dir: Path, *args: str) -> dict:
     """`hvdtrain fit` on the local engine in this process, no launcher: the run's summary. The process
     goes on, so fit gives its signal handlers back (a SIG_IGN left would reach every later subprocess)."""

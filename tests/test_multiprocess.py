@@ -13,7 +13,7 @@ import torch
 
 from conftest import (HOROVOD_AND_TORCH, LAUNCHERS, ROOT, assert_ok, assert_same_weights, epoch_records,
                       final_weights, fit_here, fit_ok, fit_under, free_port, python_under, requires_launchers, run,
-                      run_summary)
+                      run_summary, step_losses)
 
 pytestmark = [pytest.mark.multiprocess, requires_launchers, pytest.mark.timeout(300)]
 
@@ -426,8 +426,10 @@ def _is_rank(cmdline: list[str]) -> bool:
 
 @pytest.fixture(scope="module")
 def long_run(tmp_path_factory):
-    """A run long enough to be killed mid-training, uninterrupted under horovodrun: (its arguments, its directory)."""
-    args = [*RANDOM, "--set", "data.samples=60000", "--epochs", "3", "--progress", "off", "--log-every", "25"]
+    """A run long enough to be killed mid-training, uninterrupted under horovodrun: (its arguments, its directory).
+    The kill comes once epoch 1's checkpoint is written, with 2 of the 3 epochs (seconds each) still to run; the
+    step log's window of 25 steps spans that checkpoint (187 steps an epoch)."""
+    args = [*RANDOM, "--set", "data.samples=30000", "--epochs", "3", "--progress", "off", "--log-every", "25"]
     whole = tmp_path_factory.mktemp("long") / "whole"
     fit_ok("horovodrun-gloo", *args, "--run-dir", str(whole))
     return args, whole
@@ -467,17 +469,7 @@ def test_a_killed_rank_stops_the_job_and_resume_finishes_it(launcher, long_run, 
     assert_ok(resumed)
     assert_same_weights(final_weights(whole), final_weights(killed), atol=1e-6)
     # TensorBoard shows each step once: what the killed run logged past its checkpoint was replaced.
-    assert _step_losses(killed) == pytest.approx(_step_losses(whole), rel=1e-5)
-
-
-def _step_losses(run_dir) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir))
-    events.Reload()
-    points = events.Scalars("steps/train_loss")
-    assert len({p.step for p in points}) == len(points)
-    return {p.step: p.value for p in points}
+    assert step_losses(killed) == pytest.approx(step_losses(whole), rel=1e-5)
 
 
 NAN_RUN = ["--data", "random", "--set", "data.samples=512", "--set", "data.features=8", "--model",

@@ -21,14 +21,15 @@ import pytest
 import torch
 
 from conftest import (HOROVOD_AND_TORCH, LAUNCHERS, assert_ok, assert_same_weights, epoch_records, final_weights,
-                      fit_under, launch_env, requires_launchers, run, run_summary)
+                      fit_under, launch_env, requires_launchers, run, run_summary, step_losses)
 
 pytestmark = [pytest.mark.multiprocess, requires_launchers, pytest.mark.timeout(300)]
 
 # 1600 training samples, a global batch of 2 x 64: 12 steps per epoch. Dropout, so that a resume
-# is exact only if every rank's random state is restored too.
+# is exact only if every rank's random state is restored too. The step log's windows of 7 steps span
+# checkpoints, inside epochs and at their ends.
 ARGS = ["--data", "random", "--set", "data.samples=2000", "--set", "data.features=12", "--epochs", "3",
-        "--threads", "1", "--model", "user_code:signals_itself", "--progress", "off",
+        "--threads", "1", "--model", "user_code:signals_itself", "--progress", "off", "--log-every", "7",
         "--set", "run.stop_check_seconds=0"]  # check after every step: the stop step is the signal's
 STEPS_PER_EPOCH = 12
 
@@ -52,10 +53,12 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 
 def same_records(a: Path, b: Path) -> None:
-    """The same epochs with the same losses and metrics (timings aside)."""
+    """The same epochs with the same losses and metrics (timings aside), and the same step log in
+    TensorBoard: a window of steps that spans the checkpoint is logged over all its steps."""
     keys = ("epoch", "step", "train_loss", "val_loss", "val_acc", "train_samples", "val_samples", "lr")
     for mine, theirs in zip(epoch_records(a), epoch_records(b), strict=True):
         assert {k: mine[k] for k in keys} == pytest.approx({k: theirs[k] for k in keys}, rel=1e-6)
+    assert step_losses(a) == pytest.approx(step_losses(b), rel=1e-6)
 
 
 @pytest.mark.parametrize("launcher", HOROVOD_AND_TORCH)  # mpirun: below, with SIGUSR1 and 4 processes
@@ -286,6 +289,7 @@ def test_checkpoints_every_n_steps_resume_on_fewer_and_more_processes(tmp_path):
         assert "896 samples into epoch 2" in resumed.stdout
         assert_same_weights(final_weights(whole), final_weights(copy), atol=1e-5)
         assert [r["world_size"] for r in epoch_records(copy)] == [2, np_, np_]
+        assert step_losses(copy) == pytest.approx(step_losses(whole), rel=1e-5)  # steps 15-21 span the stop
         assert [r["lr"] for r in epoch_records(copy)] == \
             pytest.approx([r["lr"] for r in epoch_records(whole)], rel=1e-12)
         assert torch.load(copy / "checkpoints" / "last.pt", weights_only=True)["lr_batch"] == 64

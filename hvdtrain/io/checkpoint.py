@@ -67,6 +67,9 @@ class CheckpointState:
     powersgd: dict[str, Any] | None = None
     """PowerSGD's state: `world_size`, the `factors` and `errors` by rank (rank 0's here, the others'
     in the pieces)."""
+    step_window: list[float] | None = None
+    """With run.log_every: the step log's window under way (its loss sum and count over every rank, per
+    process)."""
 
     def to_dict(self) -> dict[str, Any]:
         state = {"model": self.model, "optimizer": self.optimizer, "epoch": self.epoch, "step": self.step,
@@ -80,6 +83,8 @@ class CheckpointState:
             state.update(optimizer_pieces=self.optimizer_pieces)
         if self.powersgd is not None:
             state.update(powersgd=self.powersgd)
+        if self.step_window is not None:
+            state.update(step_window=self.step_window)
         return state
 
 
@@ -99,6 +104,8 @@ class Start:
     """The global batch the run's lr is for (0: a fresh run, the config's)."""
     stream_plan: dict[str, Any] | None = None
     """Of a stream stopped inside an epoch: what its sampler needs to go on (the sampler's `state_at`)."""
+    step_window: list[float] | None = None
+    """The step log's window under way at the checkpoint, for rank 0 to go on with (`StepLog.resume`)."""
 
     @classmethod
     def of(cls, state: dict[str, Any]) -> "Start":
@@ -107,7 +114,7 @@ class Start:
         lr_batch = state.get("lr_batch") or state.get("config", {}).get("data", {}).get("batch_size", 0)
         return cls(int(state["epoch"]), int(state["step"]), int(state.get("position", 0)),
                    tuple(state.get("sums", (0.0, 0, 0, 0))), state.get("rng"), int(state.get("world_size", 0)),
-                   int(lr_batch), state.get("stream_plan"))
+                   int(lr_batch), state.get("stream_plan"), state.get("step_window"))
 
 
 def split_adamw_groups(saved: dict[str, Any], dims: list[int]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from hvdtrain.engine.base import on_cpu
 from hvdtrain.errors import UserError, message_lines
 from hvdtrain.io.checkpoint import CheckpointState, CheckpointStore, Start, split_adamw_groups
 from hvdtrain.io.progress import say
+from hvdtrain.train.loggers import StepLog
 from hvdtrain.train.loop import EpochSums
 from hvdtrain.train.random_state import rng_state
 from hvdtrain.train.running_stats import share_running_stats
@@ -34,8 +35,9 @@ class Checkpointer:
     """The run's checkpoints, written together: every rank calls `save_epoch` and `save_inside` at the
     same step (rank 0 writes, the others wait for it to say whether it could)."""
 
-    def __init__(self, run: Run, config: Config, engine: Engine, run_dir: Path, best: tuple[str, bool]):
-        self.run, self.config, self.engine = run, config, engine
+    def __init__(self, run: Run, config: Config, engine: Engine, run_dir: Path, best: tuple[str, bool],
+                 step_log: StepLog):
+        self.run, self.config, self.engine, self.step_log = run, config, engine, step_log
         self.store = CheckpointStore(run_dir, config.run.keep_last, *best)
 
     @property
@@ -45,18 +47,26 @@ class Checkpointer:
 
     def save_epoch(self, epoch: int, step: int, lr_batch: int, metrics: dict[str, float]) -> None:
         """At the end of `epoch`, with its validation metrics."""
-        self._save_together(lambda: (self._state(epoch, step, lr_batch), epoch, metrics),
-                            CheckpointStore.file_name(epoch, 0))
+        window = self.step_log.saved_window()  # dist
+
+        def state() -> tuple[CheckpointState, int, dict[str, float]]:
+            saved = self._state(epoch, step, lr_batch)
+            saved.step_window = window
+            return saved, epoch, metrics
+
+        self._save_together(state, CheckpointStore.file_name(epoch, 0))
 
     def save_inside(self, epoch: int, step: int, lr_batch: int, position: int, sums: EpochSums,
                     sampler: TrainingSampler) -> None:
         """Inside `epoch`, `position` samples into its order: the sums so far reduced over ranks, each
         rank's random states, then rank 0 writes."""
         engine = self.engine
+        window = self.step_log.local_window()  # None on every rank when the step log is off
         local = torch.stack([torch.as_tensor(sums.loss, dtype=torch.float64).cpu(),
                              torch.tensor(float(sums.samples), dtype=torch.float64),
-                             torch.tensor(float(sums.kept), dtype=torch.float64)])
-        reduced = engine.allreduce_sum(local, "checkpoint_sums").tolist()  # dist
+                             torch.tensor(float(sums.kept), dtype=torch.float64),
+                             *torch.tensor(window or [], dtype=torch.float64)])
+        reduced = engine.allreduce_sum(local, "checkpoint_sums").tolist()  # dist: the step log's window too
         share_running_stats(self.run.model, engine, self.config.train.dist_bn)
         states = engine.allgather_object(rng_state(), "checkpoint_rng")  # dist: rank r's at index r
 
@@ -64,6 +74,7 @@ class Checkpointer:
             saved = self._state(epoch - 1, step, lr_batch)
             saved.position, saved.rng = position, states
             saved.sums = [reduced[0], int(reduced[1]), int(reduced[2]), sums.skipped]
+            saved.step_window = self.step_log.saved_window(reduced[3:]) if window is not None else None
             saved.stream_plan = sampler.state_at(position)  # where each rank's range stands, for any world size
             return saved, epoch - 1, {}
 

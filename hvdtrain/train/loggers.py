@@ -27,13 +27,17 @@ class StepLog:
     """Every `every` optimizer steps, on every rank: the loss reduced over ranks, for rank 0 to log.
 
     Every rank calls `step` at the same step numbers (each rank takes the same number of
-    steps), so the allreduce inside lines up.
+    steps), so the allreduce inside lines up. A checkpoint keeps the window logged next (its loss
+    sum and count over ranks, per process: `saved_window`), so that after a resume, on any world
+    size, that step's value is the uninterrupted run's.
     """
 
     def __init__(self, engine: Engine, every: int, samples_per_rank_step: int):
         self.engine, self.every, self.samples_per_rank_step = engine, every, samples_per_rank_step
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
-        self.steps = 0
+        # dist: this rank's loss sum and its count of losses since the last log (a resumed window's
+        # earlier part, every rank's, on rank 0)
+        self.window = torch.zeros(2, dtype=torch.float64, device=engine.device)
+        self.steps = 0  # this process's own, for samples/s
         self.started = time.perf_counter()
 
     def step(self, step: int, loss: torch.Tensor, lr: Callable[[int], float]) -> dict[str, float] | None:
@@ -41,19 +45,40 @@ class StepLog:
         the schedule, read only when logging."""
         if self.every <= 0:
             return None
-        self.loss_sum += loss.detach().double()
+        self.window[0] += loss.detach().double()
+        self.window[1] += 1
         self.steps += 1
         if step % self.every:
             return None
-        totals = self.engine.allreduce_sum(  # dist: the mean over ranks and steps, not rank 0's alone
-            torch.stack([self.loss_sum, self.loss_sum.new_tensor(self.steps)]).cpu(), "step_log")
+        totals = self.engine.allreduce_sum(self.window.cpu(), "step_log")  # dist: the mean over ranks and steps
         seconds = max(time.perf_counter() - self.started, 1e-9)
         values = {"train_loss": float(totals[0] / totals[1]), "lr": lr(step - 1),  # the lr step `step` took
                   "samples_per_s": self.steps * self.samples_per_rank_step * self.engine.size / seconds}
-        self.loss_sum.zero_()
+        self.window.zero_()
         self.steps = 0
         self.started = time.perf_counter()
         return values
+
+    def local_window(self) -> list[float] | None:
+        """This rank's part of the window under way, for a checkpoint to reduce; None when not logging."""
+        return self.window.tolist() if self.every > 0 else None
+
+    def saved_window(self, summed: list[float] | None = None) -> list[float] | None:
+        """The window under way for a checkpoint: its loss sum and count over ranks, divided by the
+        world size (a step's mean over ranks counts once on any number of processes). `summed`: this
+        rank's `local_window` already summed over ranks; else collective. None when not logging (on
+        every rank alike)."""
+        if self.every <= 0:
+            return None
+        if summed is None:
+            summed = self.engine.allreduce_sum(self.window.cpu(), "step_log_window").tolist()  # dist
+        return [value / self.engine.size for value in summed]
+
+    def resume(self, window: list[float] | None) -> None:
+        """Rank 0 alone (the sum is every rank's): goes on with a checkpoint's `saved_window`, on this
+        world size."""
+        if window is not None and self.every > 0:
+            self.window += torch.tensor(window, dtype=torch.float64, device=self.window.device) * self.engine.size
 
 
 class Loggers:

@@ -153,7 +153,9 @@ class Trainer:
         self.loggers = Loggers(config, engine, run_dir)
         self.loggers.open(start.epoch, step, f"world size {engine.size}, global batch {steps.samples}, "
                           f"{len(self.shard.sampler)} batches per rank per epoch", self.shard.sampler.dropped_note())
-        self.checkpointer = Checkpointer(self.run, config, engine, run_dir, self.best)
+        if engine.is_root:  # dist: the window's sum is every rank's; the others go on from zero
+            self.loggers.step_log.resume(start.step_window)
+        self.checkpointer = Checkpointer(self.run, config, engine, run_dir, self.best, self.loggers.step_log)
         if engine.is_root:  # stall reports and `hvdtrain where` keep every rank's stacks here
             engine.report_into(run_dir)
         return step
