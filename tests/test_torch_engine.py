@@ -1,14 +1,18 @@
 """The torch.distributed engine's own pieces: rank facts from each launcher, gradient buckets, and an
 install with this engine alone (no MPI, no Horovod)."""
 
+import importlib.metadata
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from conftest import ROOT, assert_ok, launch_env
 from hvdtrain.engine.buckets import FIRST_BUCKET_BYTES, buckets as _buckets
@@ -259,21 +263,17 @@ def _venv_with_torch_alone(venv, packages):
     """A new environment that already imports torch and its requirements (from this environment, linked)
     and nothing else: install.sh's torch step, the same for both engines, is make test's own install;
     unpacking torch again cost this test 40 s of the suite."""
-    import importlib.metadata
-    import re
-    import sys
-
     def with_requirements(name, found):
-        key = re.sub(r"[-_.]+", "-", name).lower()
+        key = canonicalize_name(name)
         if key in found or key in ("setuptools", "pip"):  # the new environment has its own
             return
         try:
             found[key] = importlib.metadata.distribution(name)
         except importlib.metadata.PackageNotFoundError:
             return
-        for requirement in found[key].requires or []:
-            if "extra ==" not in requirement:
-                with_requirements(re.split(r"[ ;<>=!~\[(]", requirement)[0], found)
+        for requirement in map(Requirement, found[key].requires or []):
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                with_requirements(requirement.name, found)
 
     found = {}
     for name in ("torch", "numpy"):
