@@ -36,11 +36,13 @@ STEPS_PER_EPOCH = 12
 
 def fit(launcher: str | None, run_dir: Path, *args: str, signal_at: str | None = None,
         dropout: str | None = None, overflow_at: str | None = None,
-        at_exit: str | None = None) -> subprocess.CompletedProcess:
+        at_exit: str | None = None, record: Path | None = None) -> subprocess.CompletedProcess:
     """`hvdtrain fit` under the launcher; `signal_at` is HVDTRAIN_TEST_SIGNAL (RANK:N:SIGNAL),
-    `overflow_at` HVDTRAIN_TEST_OVERFLOW, `at_exit` HVDTRAIN_TEST_EXIT_SIGNAL (see tests/user_code.py)."""
+    `overflow_at` HVDTRAIN_TEST_OVERFLOW, `at_exit` HVDTRAIN_TEST_EXIT_SIGNAL, `record`
+    HVDTRAIN_TEST_RECORD (see tests/user_code.py)."""
     env = {"HVDTRAIN_TEST_SIGNAL": signal_at or "", "HVDTRAIN_TEST_DROPOUT": dropout or "0.2",
-           "HVDTRAIN_TEST_OVERFLOW": overflow_at or "", "HVDTRAIN_TEST_EXIT_SIGNAL": at_exit or ""}
+           "HVDTRAIN_TEST_OVERFLOW": overflow_at or "", "HVDTRAIN_TEST_EXIT_SIGNAL": at_exit or "",
+           "HVDTRAIN_TEST_RECORD": str(record or "")}
     return fit_under(launcher, *ARGS, *args, "--run-dir", str(run_dir), env=env)
 
 
@@ -258,72 +260,52 @@ def test_data_loader_workers_with_a_random_augmentation_resume_exactly_from_insi
     same_records(whole, cut)
 
 
-def test_checkpoints_every_n_steps_resume_on_fewer_and_more_processes(tmp_path):
-    """Stopped inside epoch 2 on 2 processes; resumed on 1 and on 4 with the same global batch: the
-    rest of the epoch is shared by the new ranks, none skipped or seen twice, and the learning rate is
+def test_checkpoints_every_n_steps_resume_on_fewer_and_more_processes_each_sample_once(tmp_path):
+    """Stopped at step 7 of 12 of epoch 2 on 2 processes; resumed on 1 and on 4 with the same global batch:
+    the rest of the epoch is shared by the new ranks, each of epoch 2's 12 global batches (its order's
+    first 1536 positions) trained on exactly once, before the stop or after it; the learning rate is
     the one for the run's global batch (scaled, and stopped inside a 2-epoch warm-up), so the weights
     are the uninterrupted 2-process run's (up to the order of the sums)."""
-    same_lr = ["--warmup-epochs", "2"]
+    from hvdtrain.data.sampler import FeistelPermutation
+
+    same_lr = ["--warmup-epochs", "2", "--data", "user_code:indexed", "--model", "user_code:records_indices"]
     whole = tmp_path / "whole"
     assert_ok(fit("horovodrun-gloo", whole, *same_lr, dropout="0"))
-    stopped = tmp_path / "stopped"
+    stopped, before = tmp_path / "stopped", tmp_path / "before"
+    before.mkdir()
     done = fit("horovodrun-gloo", stopped, *same_lr, "--checkpoint-every-steps", "5",
-               signal_at=f"0:{STEPS_PER_EPOCH + 7}:SIGUSR1", dropout="0")
+               signal_at=f"0:{STEPS_PER_EPOCH + 7}:SIGUSR1", dropout="0", record=before)
     assert done.returncode == 75, done.stderr[-3000:]
     names = sorted(p.name for p in (stopped / "checkpoints").glob("epoch-*.pt"))
     # Every 5 steps (5, 10), epoch 1's end (12), 15 and the stop at 19; the last three are kept (and the
     # best, epoch 1's, the only one with validation metrics, is among them).
     assert names == ["epoch-0001.pt", "epoch-0002-sample-000000384.pt", "epoch-0002-sample-000000896.pt"], names
-    for launcher, np_, batch in (("one", 1, "128"), ("mpirun4", 4, "32")):
-        copy = tmp_path / launcher
+    # Each rank's record: epoch 1's 12 steps of 64, then epoch 2's 7 before the stop.
+    epoch_2_before = [int(n) for path in before.glob("*.txt") for n in path.read_text().split()[12 * 64:]]
+    assert len(epoch_2_before) == 2 * 7 * 64
+    expected = sorted(FeistelPermutation(1600, 0, 2)(np.arange(12 * 128)).tolist())
+    for np_, batch in ((1, 128), (4, 32)):
+        copy, after = tmp_path / f"np{np_}", tmp_path / f"after-np{np_}"
         shutil.copytree(stopped, copy)
-        prefix = [] if np_ == 1 else ["mpirun", "-np", "4", "--oversubscribe"]
-        env_args = [] if np_ == 1 else ["-x", "HVDTRAIN_TEST_DROPOUT"]
-        os.environ["HVDTRAIN_TEST_DROPOUT"] = "0"
-        try:
-            resumed = run([*prefix, *env_args, "hvdtrain", "fit", *ARGS, *same_lr, "--batch-size", batch,
-                           "--run-dir", str(copy), "--resume"], timeout=240)
-        finally:
-            os.environ.pop("HVDTRAIN_TEST_DROPOUT")
+        after.mkdir()
+        prefix = [] if np_ == 1 else ["mpirun", "-np", "4", "--oversubscribe", "-x", "HVDTRAIN_TEST_DROPOUT", "-x",
+                                      "HVDTRAIN_TEST_RECORD"]
+        resumed = run([*prefix, "hvdtrain", "fit", *ARGS, *same_lr, "--batch-size", str(batch), "--run-dir",
+                       str(copy), "--resume"], env={"HVDTRAIN_TEST_DROPOUT": "0", "HVDTRAIN_TEST_RECORD": str(after)},
+                      timeout=240)
         assert_ok(resumed)
         assert "896 samples into epoch 2" in resumed.stdout
+        # Each new rank's record: the 5 steps left of epoch 2, then epoch 3's 12.
+        records = [path.read_text().split() for path in after.glob("*.txt")]
+        assert len(records) == np_ and all(len(numbers) == 17 * batch for numbers in records)
+        epoch_2_after = [int(n) for numbers in records for n in numbers[:5 * batch]]
+        assert sorted(epoch_2_before + epoch_2_after) == expected
         assert_same_weights(final_weights(whole), final_weights(copy), atol=1e-5)
         assert [r["world_size"] for r in epoch_records(copy)] == [2, np_, np_]
         assert step_losses(copy) == pytest.approx(step_losses(whole), rel=1e-5)  # steps 15-21 span the stop
         assert [r["lr"] for r in epoch_records(copy)] == \
             pytest.approx([r["lr"] for r in epoch_records(whole)], rel=1e-12)
         assert torch.load(copy / "checkpoints" / "last.pt", weights_only=True)["lr_batch"] == 64
-
-
-def test_the_rest_of_an_epoch_is_shared_by_fewer_or_more_processes_each_sample_once(tmp_path):
-    """Stopped at step 7 of 12 of the only epoch on 2 processes, resumed on 1 and on 4 with the same
-    global batch: the indices the model trained on, before and after, are the epoch's 12 global
-    batches (its order's first 1536 positions), each exactly once."""
-    from hvdtrain.data.sampler import FeistelPermutation
-
-    data = ["--data", "user_code:indexed", "--model", "user_code:records_indices", "--epochs", "1"]
-    expected = sorted(FeistelPermutation(1600, 0, 1)(np.arange(12 * 128)).tolist())
-    stopped, before = tmp_path / "stopped", tmp_path / "before"
-    before.mkdir()
-    os.environ["HVDTRAIN_TEST_RECORD"] = str(before)
-    try:
-        done = fit("horovodrun-gloo", stopped, *data, signal_at="0:7:SIGTERM")
-        assert done.returncode == 75, done.stderr[-3000:]
-        for np_, batch in ((1, "128"), (4, "32")):
-            copy, after = tmp_path / f"np{np_}", tmp_path / f"after-np{np_}"
-            shutil.copytree(stopped, copy)
-            after.mkdir()
-            os.environ["HVDTRAIN_TEST_RECORD"] = str(after)
-            prefix = [] if np_ == 1 else ["mpirun", "-np", "4", "--oversubscribe", "-x", "HVDTRAIN_TEST_RECORD"]
-            resumed = run([*prefix, "hvdtrain", "fit", *ARGS, *data, "--batch-size", batch, "--run-dir", str(copy),
-                           "--resume"], timeout=240)
-            assert_ok(resumed)
-            assert "896 samples into epoch 1" in resumed.stdout
-            seen = [int(line) for folder in (before, after) for path in folder.glob("*.txt")
-                    for line in path.read_text().split()]
-            assert len(seen) == 12 * 128 and sorted(seen) == expected
-    finally:
-        os.environ.pop("HVDTRAIN_TEST_RECORD")
 
 
 @pytest.fixture(scope="module")
