@@ -87,11 +87,28 @@ def message_lines(err: BaseException, count: int = 1) -> str:
 
 
 def where(err: BaseException) -> str:
-    """` (file:line in function)` of the innermost frame in the user's own code; "" when none is."""
+    """` (file:line in function)` of the innermost frame in the user's own code; "" when none is. Of an
+    exception a data-loader worker raised, the frame in the worker, from the traceback in its message
+    (the traceback it is raised with again is the main process's, in PyTorch's loader)."""
+    import re
     import traceback
 
-    own = [f for f in traceback.extract_tb(err.__traceback__) if not library_file(f.filename)]
-    return f" ({own[-1].filename}:{own[-1].lineno} in {own[-1].name})" if own else ""
+    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(err.__traceback__)]
+    original = worker_traceback(err)
+    if original is not None:
+        frames = [(name, int(line), function) for name, line, function in
+                  re.findall(r'^\s*File "([^"]+)", line (\d+), in (\S+)', original, re.MULTILINE)]
+    own = [frame for frame in frames if not library_file(frame[0])]
+    return " ({}:{} in {})".format(*own[-1]) if own else ""
+
+
+def worker_traceback(err: BaseException) -> str | None:
+    """The traceback in a data-loader worker that raised `err`, as PyTorch's loader puts it in the message
+    of the exception it raises again in the main process; None for any other exception."""
+    text = str(err)
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        return text.split("Original Traceback", 1)[1]
+    return None
 
 
 def library_file(filename: str) -> bool:

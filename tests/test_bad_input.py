@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import epoch_records, launch_env
 from hvdtrain.cli import main
@@ -166,6 +167,29 @@ def test_checkpoint_of_another_optimizer(existing_run, capsys):
     err = resume_refused(existing_run, capsys, "--optimizer", "adamw")
     assert "holds the state of optimizer 'sgd', which does not fit this run's 'adamw': resume with --optimizer sgd" \
         in err, err
+
+
+class _FailsAtSeven(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        if index == 7:
+            raise OSError("corrupt record 7")
+        return torch.zeros(2)
+
+
+def test_a_data_loader_worker_s_failure_is_named_by_its_own_message_and_line():
+    """PyTorch raises a worker's exception again in the main process, with the worker's traceback as
+    its message: the one line gives the worker's message and the line in the user's data set."""
+    from hvdtrain.errors import where
+    from hvdtrain.train.failures import worker_message
+
+    with pytest.raises(OSError) as raised:
+        list(torch.utils.data.DataLoader(_FailsAtSeven(), batch_size=4, num_workers=1))
+    assert worker_message(raised.value) == "corrupt record 7"
+    line = _FailsAtSeven.__getitem__.__code__.co_firstlineno + 2
+    assert where(raised.value) == f" ({__file__}:{line} in __getitem__)"
 
 
 def test_debug_shows_the_traceback(capsys):

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from hvdtrain.engine import Engine, RankFailed
 from hvdtrain.errors import (ANOTHER_RANK_FAILED, AnotherRankFailed, FailedAt, StoppedBySignal, UserError,
-                             message_lines, note_where_the_job_stood, where)
+                             message_lines, note_where_the_job_stood, where, worker_traceback)
 from hvdtrain.train.callbacks import StoppedEarly
 
 # dist: how long a rank whose collective broke off waits for the launcher to end it. The failed rank's
@@ -77,9 +77,9 @@ def leave_after_another_rank(err: Exception, rank: int, debug: bool) -> NoReturn
 def worker_message(err: Exception) -> str:
     """The first line of the message; of an exception a data-loader worker raised (which PyTorch raises
     again with the worker's traceback as its message), the worker's own message."""
-    text = str(err)
-    if text.startswith("Caught ") and "Original Traceback" in text:
-        last = text.strip().splitlines()[-1]
+    original = worker_traceback(err)
+    if original is not None:
+        last = original.strip().splitlines()[-1]
         return last.split(": ", 1)[1] if ": " in last else last
     return message_lines(err)
 
