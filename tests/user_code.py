@@ -264,7 +264,8 @@ def needs_num_classes(input_shape, num_classes):
 
 
 class CorruptOnRankOne(Blobs):
-    """Rank 1 finds a corrupt record partway into the first epoch."""
+    """Rank 1 finds a corrupt record partway into the first epoch: the 30th read of this copy, the
+    process's or a data-loader worker's (2 workers read about 56 samples each in an epoch of batches of 16)."""
 
     def __init__(self):
         super().__init__()
@@ -272,7 +273,7 @@ class CorruptOnRankOne(Blobs):
 
     def __getitem__(self, index):
         self.reads += 1
-        if _rank() == 1 and self.reads == 100:
+        if _rank() == 1 and self.reads == 30:
             raise OSError(f"corrupt record {index} in /data/part-1.bin")
         return super().__getitem__(index)
 
