@@ -126,15 +126,17 @@ def one_process(tmp_path_factory):
 
 @pytest.mark.parametrize("launcher", HOROVOD_AND_TORCH)
 @pytest.mark.parametrize(
-    "extra",
+    "optimizer, per_rank",
     # Clipping to a norm the gradients exceed: per rank before the allreduce would scale each rank's
-    # gradient by its own factor and turn the average, which AdamW's steps would follow.
-    [[], ["--optimizer", "adamw", "--lr", "0.01", "--clip-grad-norm", "0.05"]],
-    ids=["sgd", "adamw-clipped-after-allreduce"],
+    # gradient by its own factor and turn the average, which AdamW's steps would follow; the norm is
+    # the accumulated window's, once per optimizer step.
+    [([], ["--batch-size", "8"]),
+     (["--optimizer", "adamw", "--lr", "0.01", "--clip-grad-norm", "0.05"], ["--batch-size", "4", "--accumulate", "2"])],
+    ids=["sgd", "adamw-accumulated-clipped-after-allreduce"],
 )
-def test_two_ranks_batch_b_equal_one_process_batch_2b(extra, launcher, one_process, tmp_path):
-    common = [*RANDOM, "--epochs", "2", "--no-scale-lr", "--warmup-epochs", "0", *extra]
-    two = fit_under(launcher, *common, "--batch-size", "8", "--run-dir", str(tmp_path / "two"))
+def test_two_ranks_batch_b_equal_one_process_batch_2b(optimizer, per_rank, launcher, one_process, tmp_path):
+    common = [*RANDOM, "--epochs", "2", "--no-scale-lr", "--warmup-epochs", "0", *optimizer]
+    two = fit_under(launcher, *common, *per_rank, "--run-dir", str(tmp_path / "two"))
     assert_ok(two)
     assert_same_weights(final_weights(tmp_path / "two"), one_process(*common, "--batch-size", "16"), atol=1e-5)
 
@@ -161,14 +163,6 @@ def test_every_task_two_ranks_batch_b_equal_one_process_batch_2b(task, tmp_path)
         metrics = [key for key in whole if key.startswith("val_")]
         assert len(metrics) >= 3, metrics  # loss and the task's own
         assert {k: sharded[k] for k in metrics} == pytest.approx({k: whole[k] for k in metrics}, rel=1e-5)
-
-
-@pytest.mark.parametrize("launcher", HOROVOD_AND_TORCH)
-def test_accumulation_on_two_ranks_equals_one_large_batch(launcher, one_process, tmp_path):
-    common = [*RANDOM, "--epochs", "2", "--no-scale-lr", "--warmup-epochs", "0"]
-    two = fit_under(launcher, *common, "--batch-size", "4", "--accumulate", "2", "--run-dir", str(tmp_path / "two"))
-    assert_ok(two)
-    assert_same_weights(final_weights(tmp_path / "two"), one_process(*common, "--batch-size", "16"), atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -331,9 +325,9 @@ def test_a_finished_torch_engine_run_exits_zero_with_no_thread_left(launcher, tm
                     for how in ("its exit handlers", "os._exit")], output[-3000:]
 
 
-@pytest.mark.parametrize("launcher", ["horovodrun-mpi", "mpirun"])
-def test_adasum_trains_under_mpi(launcher, tmp_path):
-    done = fit_under(launcher, "--adasum", "--epochs", "3", "--threads", "1", "--run-dir", str(tmp_path / "r"))
+def test_adasum_trains_under_mpi(tmp_path):
+    """fit under horovodrun's MPI; the engine's Adasum under plain mpirun: the collectives' test above."""
+    done = fit_under("horovodrun-mpi", "--adasum", "--epochs", "3", "--threads", "1", "--run-dir", str(tmp_path / "r"))
     assert_ok(done)
     summary = run_summary(tmp_path / "r")
     assert summary["world_size"] == 2 and summary["val_acc"] > 0.85  # digits: 0.94 measured
