@@ -126,22 +126,39 @@ def free_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
+def shared_run(tmp_path_factory, name: str, command: list[str]) -> tuple[Path, subprocess.CompletedProcess]:
+    """(run directory, finished command) of a run that must succeed, made once for the whole session: under
+    pytest-xdist the first worker to need it runs it, in the session's shared temporary directory, and the
+    others read what it left (each worker has session fixtures of its own)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' common parent
+    folder = root / f"shared-{name}"
+    with FileLock(f"{folder}.lock"):
+        record = folder / "finished.json"
+        if not record.exists():
+            folder.mkdir(exist_ok=True)
+            done = assert_ok(run([*command, "--run-dir", str(folder / "run")], cwd=folder))
+            record.write_text(json.dumps({"stdout": done.stdout, "stderr": done.stderr}))
+        finished = json.loads(record.read_text())
+    return folder / "run", subprocess.CompletedProcess(command, 0, finished["stdout"], finished["stderr"])
+
+
 @pytest.fixture(scope="session")
 def digits_torchrun(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """The same digits run as `digits_np2`, under `torchrun --nproc-per-node 2` (the torch engine)."""
-    run_dir = tmp_path_factory.mktemp("digits-torchrun") / "run"
-    done = fit_ok("torchrun", "--epochs", "3", "--run-dir", str(run_dir), "--log-every", "4", cwd=run_dir.parent)
-    return run_dir, done
+    return shared_run(tmp_path_factory, "digits-torchrun", [*LAUNCHERS["torchrun"], "hvdtrain", "fit", "--progress",
+                                                            "off", "--epochs", "3", "--log-every", "4"])
 
 
 @pytest.fixture(scope="session")
 def digits_np2(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """One digits run of 3 epochs under plain `horovodrun -np 2` (MPI controller), with step logging
     and Horovod's timeline, shared by the tests of fit's launch and of what comes after fit."""
-    run_dir = tmp_path_factory.mktemp("digits-np2") / "run"
-    done = assert_ok(run(["horovodrun", "-np", "2", "hvdtrain", "fit", "--progress", "off", "--epochs", "3",
-                          "--run-dir", str(run_dir), "--log-every", "4", "--horovod-timeline"], cwd=run_dir.parent))
-    return run_dir, done
+    return shared_run(tmp_path_factory, "digits-np2", ["horovodrun", "-np", "2", "hvdtrain", "fit", "--progress", "off",
+                                                       "--epochs", "3", "--log-every", "4", "--horovod-timeline"])
 
 
 def have(command: str) -> bool:
