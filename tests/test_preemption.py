@@ -220,43 +220,27 @@ def test_a_checkpoint_write_slower_than_the_stall_timeout_is_no_stall_and_a_sign
     assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
 
 
-def test_fp16_with_accumulation_resumes_exactly_from_a_signal_inside_an_epoch(tmp_path):
+def test_fp16_accumulation_and_augmenting_data_loader_workers_resume_exactly_from_a_signal_inside_an_epoch(tmp_path):
     """The gradient scaler (each rank's, broadcast from rank 0 on resume) and the accumulation window:
     rank 1's gradients overflow once in epoch 1, so every scaler halves to 2^15; the stop comes at an
     optimizer step of epoch 3, between windows, and the resume is exact. (With only rank 0's scaler
-    restored, rank 1 went on at 2^16 and the ranks' updates differed.)"""
-    extra = ["--precision", "fp16", "--accumulate", "2"]
+    restored, rank 1 went on at 2^16 and the ranks' updates differed.) The data come through two
+    data-loader workers per rank, each drawing a random augmentation (torch, numpy, random) in
+    __getitem__, and the SIGTERM goes to rank 0 and its workers (as Slurm signals every process of a
+    step): the workers leave the signal to their rank, their random state is the batch's own, and the
+    batches they had read ahead are drawn again alike after the resume."""
+    extra = ["--precision", "fp16", "--accumulate", "2", "--data", "user_code:augmented", "--set", "data.num_workers=2"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert_ok(fit("horovodrun-gloo", whole, *extra, overflow_at="5"))
-    stopped = fit("horovodrun-gloo", cut, *extra, signal_at="1:30:SIGTERM", overflow_at="5")  # step 15, epoch 3
+    stopped = fit("horovodrun-gloo", cut, *extra, signal_at="0:30:SIGTERM:workers", overflow_at="5")  # step 15
     assert stopped.returncode == 75, stopped.stderr[-3000:]
     assert "stopped by SIGTERM at epoch 3, step 15" in stopped.stdout + stopped.stderr
     resumed = fit("horovodrun-gloo", cut, *extra, "--resume")
     assert_ok(resumed)
+    assert "(epoch 2, step 15, 768 samples into epoch 3)" in resumed.stdout, resumed.stdout[-2000:]
     assert_same_weights(final_weights(whole), final_weights(cut), atol=1e-6)
     scalers = [torch.load(d / "checkpoints" / "last.pt", weights_only=True)["scaler"] for d in (whole, cut)]
     assert scalers[0] == scalers[1] and scalers[0]["scale"] == 2.0 ** 15  # one overflow, no growth since
-    same_records(whole, cut)
-
-
-def test_data_loader_workers_with_a_random_augmentation_resume_exactly_from_inside_an_epoch(tmp_path):
-    """Two data-loader workers per rank, each drawing a random augmentation (torch, numpy, random) in
-    __getitem__: stopped in the middle of epoch 2 by a SIGTERM to rank 0 and its workers (as Slurm
-    signals every process of a step) and resumed, the weights and every record are the uninterrupted
-    run's. The workers leave the signal to their rank; their random state is the batch's own."""
-    extra = ["--data", "user_code:augmented", "--set", "data.num_workers=2"]
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert_ok(fit("horovodrun-gloo", whole, *extra))
-    # The stop check at its default interval: the rank reads more batches before it stops.
-    stopped = fit("horovodrun-gloo", cut, *extra, "--set", "run.stop_check_seconds=0.5",
-                  signal_at=f"0:{STEPS_PER_EPOCH + 5}:SIGTERM:workers")
-    assert stopped.returncode == 75, stopped.stderr[-3000:]
-    resumed = fit("horovodrun-gloo", cut, *extra, "--resume")
-    assert_ok(resumed)
-    # Inside epoch 2, or at its end where the last steps came before the check.
-    assert re.search(r"resuming from .*\(epoch (1, step \d+, \d+ samples into epoch 2|2, step 24)\)", resumed.stdout), \
-        resumed.stdout[-2000:]
-    assert_same_weights(final_weights(whole), final_weights(cut), atol=1e-6)
     same_records(whole, cut)
 
 
