@@ -153,6 +153,33 @@ def test_horovodrun_s_outcome_names_the_worker_that_failed_not_the_first_to_exit
     assert outcome({0: (75, 1.0), 1: (143, 2.0)}) == (75, None)
 
 
+HOROVOD_MPIRUN = "mpirun --allow-run-as-root --tag-output -np 2 -H localhost:2 -bind-to none -map-by slot " \
+                 "-mca pml ob1 -mca btl ^openib -mca btl_tcp_if_include lo hvdtrain fit"
+
+
+@pytest.mark.parametrize("site, btl", [
+    ("^uct,openib,ofi", "^openib,uct,ofi"),  # Debian's: kept, with Horovod's openib
+    ("^ofi", "^openib,ofi"),
+    ("self,vader,tcp", "self,vader,tcp"),  # the transports a site chose, without openib: as they are
+    ("self,openib", "^openib"),  # openib among them: Horovod's flag stands
+    (None, "^openib"),  # nothing set
+])
+def test_horovodrun_s_mpirun_keeps_the_transports_open_mpi_s_settings_leave_out(site, btl, tmp_path):
+    """Horovod's `-mca btl ^openib` on mpirun's command line overrode the site's own exclusions; here it
+    is widened by them (ompi_info says what they are: a stand-in on PATH with its output format)."""
+    from hvdtrain.cli.mpirun_child import with_site_transports
+
+    info = tmp_path / "ompi_info"
+    value = f"mca:btl:base:param:btl:value:{site}\n" if site is not None else ""
+    info.write_text(f"#!/bin/sh\nprintf 'mca:btl:tcp:version:\"mca:2.1.0\"\\n{value}mca:btl:base:param:btl:level:2\\n'\n")
+    info.chmod(0o755)
+    command = with_site_transports(HOROVOD_MPIRUN, {"PATH": str(tmp_path)})
+    assert command == HOROVOD_MPIRUN.replace("-mca btl ^openib", f"-mca btl {btl}")
+    assert with_site_transports(HOROVOD_MPIRUN, {"PATH": str(tmp_path / "none")}) == HOROVOD_MPIRUN  # no ompi_info
+    mine = HOROVOD_MPIRUN.replace("^openib", "^openib,mine")  # not Horovod's flag: left alone
+    assert with_site_transports(mine, {"PATH": str(tmp_path)}) == mine
+
+
 def test_a_peer_s_report_that_another_went_away_waits_for_the_failed_worker_s_own_end():
     """Horovod's background thread prints an error, with Horovod's and Gloo's build paths, on a rank
     whose peer was killed: held back, and said only where no worker failed of itself."""

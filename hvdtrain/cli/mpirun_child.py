@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import signal
+import subprocess
 import sys
 from typing import Callable
 
@@ -29,10 +32,9 @@ class MpirunAsChild:
 
     @staticmethod
     def execve(path: str, args: list[str], env: dict[str, str]) -> None:
-        import subprocess
-
         if len(args) == 3 and args[1] == "-c":  # Horovod's `sh -c "mpirun ..."`: mpirun in the shell's place,
-            args = [args[0], "-c", f"exec {args[2]}"]  # this entry's child, whom a signal here can reach
+            args = [args[0], "-c", f"exec {with_site_transports(args[2], env)}"]  # this entry's child, whom a
+            # signal here can reach
         mpirun: subprocess.Popen | None = None
 
         def pass_hang_up(number: int, frame: object) -> None:
@@ -61,3 +63,39 @@ def _alone_and_ends_with(parent: int) -> Callable[[], None]:
                 os.kill(os.getpid(), signal.SIGHUP)
 
     return child
+
+
+# Horovod's transports for Open MPI: every one but InfiniBand's verbs (which break fork()).
+HOROVOD_BTL = re.compile(r"-mca btl \^openib(?=\s)")
+
+
+def with_site_transports(command: str, env: dict[str, str]) -> str:
+    """Horovod's mpirun command, its `-mca btl ^openib` widened to the transports Open MPI's own settings
+    (its parameter files, OMPI_MCA_btl) leave out too. A command line wins over those, so a site's
+    `btl = ^uct,openib,ofi` (Debian's) was lost, and every rank loaded libfabric: about a second more
+    for each job to start and end, on one host. A site's list of transports to use, without openib,
+    is used as it is."""
+    if not HOROVOD_BTL.search(command):
+        return command
+    site = _site_btl(env)
+    if site.startswith("^"):
+        value = ",".join(dict.fromkeys(["openib", *filter(None, site[1:].split(","))]))
+        return HOROVOD_BTL.sub(f"-mca btl ^{value}", command, count=1)
+    if site and "openib" not in site.split(","):
+        return HOROVOD_BTL.sub(f"-mca btl {site}", command, count=1)
+    return command
+
+
+def _site_btl(env: dict[str, str]) -> str:
+    """Open MPI's value of its `btl` parameter before any command line ("" where none is set, or Open MPI's
+    ompi_info is not there), as the mpirun found on `env`'s PATH would read it."""
+    found = shutil.which("ompi_info", path=env.get("PATH"))
+    if found is None:
+        return ""
+    try:
+        shown = subprocess.run([found, "--parsable", "--param", "btl", "all", "--level", "9"], env=env,
+                               capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    prefix = "mca:btl:base:param:btl:value:"
+    return next((line[len(prefix):].strip() for line in shown.splitlines() if line.startswith(prefix)), "")

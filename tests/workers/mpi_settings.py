@@ -1,5 +1,6 @@
 """Prints the value Open MPI itself holds for each MCA variable named, read through the MPI
-tool interface (MPI_T) of the library Horovod loaded, after hvdtrain started its engine.
+tool interface (MPI_T) of the library Horovod loaded, after hvdtrain started its engine, and the
+transports (btl components) Open MPI loaded.
 
     horovodrun --mpi -np 2 python tests/workers/mpi_settings.py mpi_yield_when_idle
 """
@@ -12,7 +13,9 @@ from pathlib import Path
 from hvdtrain.engine import start_engine
 
 engine = start_engine("horovod", "cpu")
-path = next(line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "/libmpi.so" in line)
+maps = Path("/proc/self/maps").read_text().splitlines()
+path = next(line.split()[-1] for line in maps if "/libmpi.so" in line)
+transports = sorted({line.split("mca_btl_")[-1].removesuffix(".so") for line in maps if "/mca_btl_" in line})
 mpi = ctypes.CDLL(path)
 provided = ctypes.c_int()
 assert mpi.MPI_T_init_thread(0, ctypes.byref(provided)) == 0
@@ -23,5 +26,5 @@ for name in sys.argv[1:]:
     assert mpi.MPI_T_cvar_handle_alloc(index, None, ctypes.byref(handle), ctypes.byref(count)) == 0
     assert mpi.MPI_T_cvar_read(handle, ctypes.byref(value)) == 0
     held[name] = value.value
-print(json.dumps({"rank": engine.rank, "held": held}), flush=True)
+print(json.dumps({"rank": engine.rank, "held": held, "transports": transports}), flush=True)
 engine.shutdown()
