@@ -138,8 +138,9 @@ def shared_run(tmp_path_factory, name: str, command: list[str]) -> tuple[Path, s
     folder = root / f"shared-{name}"
     with FileLock(f"{folder}.lock"):
         record = folder / "finished.json"
-        if not record.exists():
-            folder.mkdir(exist_ok=True)
+        if not record.exists():  # not made yet, or a worker's attempt failed (its test says why): afresh
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
             done = assert_ok(run([*command, "--run-dir", str(folder / "run")], cwd=folder))
             record.write_text(json.dumps({"stdout": done.stdout, "stderr": done.stderr}))
         finished = json.loads(record.read_text())

@@ -179,14 +179,16 @@ class _FailsAtSeven(torch.utils.data.Dataset):
         return torch.zeros(2)
 
 
-def test_a_data_loader_worker_s_failure_is_named_by_its_own_message_and_line():
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_data_set_s_failure_is_named_by_its_own_message_and_line_in_a_data_loader_worker_or_not(workers):
     """PyTorch raises a worker's exception again in the main process, with the worker's traceback as
-    its message: the one line gives the worker's message and the line in the user's data set."""
+    its message: the one line gives the worker's message and the line in the user's data set, as it
+    does for the exception itself where no worker read the data."""
     from hvdtrain.errors import where
     from hvdtrain.train.failures import worker_message
 
     with pytest.raises(OSError) as raised:
-        list(torch.utils.data.DataLoader(_FailsAtSeven(), batch_size=4, num_workers=1))
+        list(torch.utils.data.DataLoader(_FailsAtSeven(), batch_size=4, num_workers=workers))
     assert worker_message(raised.value) == "corrupt record 7"
     line = _FailsAtSeven.__getitem__.__code__.co_firstlineno + 2
     assert where(raised.value) == f" ({__file__}:{line} in __getitem__)"

@@ -160,24 +160,31 @@ HOROVOD_MPIRUN = "mpirun --allow-run-as-root --tag-output -np 2 -H localhost:2 -
 @pytest.mark.parametrize("site, btl", [
     ("^uct,openib,ofi", "^openib,uct,ofi"),  # Debian's: kept, with Horovod's openib
     ("^ofi", "^openib,ofi"),
-    ("self,vader,tcp", "self,vader,tcp"),  # the transports a site chose, without openib: as they are
-    ("self,openib", "^openib"),  # openib among them: Horovod's flag stands
+    ("self,vader,tcp", "^openib"),  # a list of transports to use: Horovod's flag stands, as before
+    ("^ofi, uct", "^openib"),  # not Open MPI's form: nothing a shell could split is put on the line
     (None, "^openib"),  # nothing set
 ])
 def test_horovodrun_s_mpirun_keeps_the_transports_open_mpi_s_settings_leave_out(site, btl, tmp_path):
-    """Horovod's `-mca btl ^openib` on mpirun's command line overrode the site's own exclusions; here it
-    is widened by them (ompi_info says what they are: a stand-in on PATH with its output format)."""
+    """Horovod's `-mca btl ^openib` on mpirun's command line overrode the site's own exclusions; on this host
+    alone it is widened by them (ompi_info says what they are: a stand-in on PATH with its output format),
+    and a job across hosts keeps Horovod's flag, each host's own settings being its own."""
+    import socket
+
     from hvdtrain.cli.mpirun_child import with_site_transports
 
     info = tmp_path / "ompi_info"
     value = f"mca:btl:base:param:btl:value:{site}\n" if site is not None else ""
     info.write_text(f"#!/bin/sh\nprintf 'mca:btl:tcp:version:\"mca:2.1.0\"\\n{value}mca:btl:base:param:btl:level:2\\n'\n")
     info.chmod(0o755)
-    command = with_site_transports(HOROVOD_MPIRUN, {"PATH": str(tmp_path)})
-    assert command == HOROVOD_MPIRUN.replace("-mca btl ^openib", f"-mca btl {btl}")
+    env = {"PATH": str(tmp_path)}
+    for hosts in ("localhost:2", f"{socket.gethostname()}:1,127.0.0.1:1"):
+        command = HOROVOD_MPIRUN.replace("localhost:2", hosts)
+        assert with_site_transports(command, env) == command.replace("-mca btl ^openib", f"-mca btl {btl}")
+    across = HOROVOD_MPIRUN.replace("localhost:2", "localhost:1,node-2:1")
+    assert with_site_transports(across, env) == across
     assert with_site_transports(HOROVOD_MPIRUN, {"PATH": str(tmp_path / "none")}) == HOROVOD_MPIRUN  # no ompi_info
     mine = HOROVOD_MPIRUN.replace("^openib", "^openib,mine")  # not Horovod's flag: left alone
-    assert with_site_transports(mine, {"PATH": str(tmp_path)}) == mine
+    assert with_site_transports(mine, env) == mine
 
 
 def test_a_peer_s_report_that_another_went_away_waits_for_the_failed_worker_s_own_end():

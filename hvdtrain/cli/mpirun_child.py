@@ -67,34 +67,46 @@ def _alone_and_ends_with(parent: int) -> Callable[[], None]:
 
 # Horovod's transports for Open MPI: every one but InfiniBand's verbs (which break fork()).
 HOROVOD_BTL = re.compile(r"-mca btl \^openib(?=\s)")
+# A list of transports to leave out, as Open MPI writes it: no spaces, nothing for a shell to read.
+EXCLUSIONS = re.compile(r"\^[\w-]+(,[\w-]+)*")
+_LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
 def with_site_transports(command: str, env: dict[str, str]) -> str:
-    """Horovod's mpirun command, its `-mca btl ^openib` widened to the transports Open MPI's own settings
-    (its parameter files, OMPI_MCA_btl) leave out too. A command line wins over those, so a site's
+    """Horovod's mpirun command, its `-mca btl ^openib` widened by the transports Open MPI's own settings
+    (its parameter files, OMPI_MCA_btl) leave out. A command line wins over those, so a site's
     `btl = ^uct,openib,ofi` (Debian's) was lost, and every rank loaded libfabric: about a second more
-    for each job to start and end, on one host. A site's list of transports to use, without openib,
-    is used as it is."""
-    if not HOROVOD_BTL.search(command):
+    for each job to start and end. Only for a job on this host alone: another host's own settings are
+    its own, and a command line would override them there (they may need a transport this one leaves out)."""
+    if not HOROVOD_BTL.search(command) or not _on_this_host_alone(command):
         return command
     site = _site_btl(env)
-    if site.startswith("^"):
-        value = ",".join(dict.fromkeys(["openib", *filter(None, site[1:].split(","))]))
-        return HOROVOD_BTL.sub(f"-mca btl ^{value}", command, count=1)
-    if site and "openib" not in site.split(","):
-        return HOROVOD_BTL.sub(f"-mca btl {site}", command, count=1)
-    return command
+    if not EXCLUSIONS.fullmatch(site):
+        return command
+    value = ",".join(dict.fromkeys(["openib", *site[1:].split(",")]))
+    return HOROVOD_BTL.sub(lambda found: f"-mca btl ^{value}", command, count=1)
+
+
+def _on_this_host_alone(command: str) -> bool:
+    """Whether the hosts of mpirun's `-H` (Horovod's `-H localhost:2` for `-np 2` alone) are all this one."""
+    import socket
+
+    hosts = re.search(r"\s-H\s+(\S+)", command)
+    if hosts is None:
+        return False
+    names = {entry.rsplit(":", 1)[0] for entry in hosts.group(1).split(",")}
+    return names <= _LOCAL_HOSTS | {socket.gethostname(), socket.getfqdn()}
 
 
 def _site_btl(env: dict[str, str]) -> str:
     """Open MPI's value of its `btl` parameter before any command line ("" where none is set, or Open MPI's
-    ompi_info is not there), as the mpirun found on `env`'s PATH would read it."""
+    ompi_info is not there or does not answer), as the mpirun found on `env`'s PATH would read it."""
     found = shutil.which("ompi_info", path=env.get("PATH"))
     if found is None:
         return ""
     try:
         shown = subprocess.run([found, "--parsable", "--param", "btl", "all", "--level", "9"], env=env,
-                               capture_output=True, text=True, timeout=30).stdout
+                               capture_output=True, text=True, errors="replace", timeout=5).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
     prefix = "mca:btl:base:param:btl:value:"
