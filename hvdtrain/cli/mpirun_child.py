@@ -75,8 +75,8 @@ _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
 def with_site_transports(command: str, env: dict[str, str]) -> str:
     """Horovod's mpirun command, its `-mca btl ^openib` widened by the transports Open MPI's own settings
     (its parameter files, OMPI_MCA_btl) leave out. A command line wins over those, so a site's
-    `btl = ^uct,openib,ofi` (Debian's) was lost, and every rank loaded libfabric: about a second more
-    for each job to start and end. Only for a job on this host alone: another host's own settings are
+    `btl = ^uct,openib,ofi` (Debian's) was lost, and every rank loaded libfabric: seconds more for each
+    job to start and end (BENCHMARKS.md). Only for a job on this host alone: another host's own settings are
     its own, and a command line would override them there (they may need a transport this one leaves out)."""
     if not HOROVOD_BTL.search(command) or not _on_this_host_alone(command):
         return command
@@ -94,8 +94,8 @@ def _on_this_host_alone(command: str) -> bool:
     hosts = re.search(r"\s-H\s+(\S+)", command)
     if hosts is None:
         return False
-    names = {entry.rsplit(":", 1)[0] for entry in hosts.group(1).split(",")}
-    return names <= _LOCAL_HOSTS | {socket.gethostname(), socket.getfqdn()}
+    names = {entry.rsplit(":", 1)[0] for entry in hosts.group(1).split(",")} - _LOCAL_HOSTS - {socket.gethostname()}
+    return not names or names == {socket.getfqdn()}  # asked of the resolver only where the name says no more
 
 
 def _site_btl(env: dict[str, str]) -> str:
