@@ -93,9 +93,10 @@ def where(err: BaseException) -> str:
     import re
     import traceback
 
-    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(err.__traceback__)]
     original = worker_traceback(err)
-    if original is not None:
+    if original is None:
+        frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(err.__traceback__)]
+    else:
         frames = [(name, int(line), function) for name, line, function in
                   re.findall(r'^\s*File "([^"]+)", line (\d+), in (\S+)', original, re.MULTILINE)]
     own = [frame for frame in frames if not library_file(frame[0])]
