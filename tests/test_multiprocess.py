@@ -500,7 +500,8 @@ def test_ranks_with_3_and_5_batches_stop_within_the_stall_timeout(launcher):
 def test_open_mpi_yields_while_it_waits_unless_the_user_says_otherwise(launcher, monkeypatch):
     """Not busy-polling leaves the cores to the ranks' compute (the figure is in BENCHMARKS.md). And
     no rank loads a transport Open MPI's own settings leave out (Debian's: uct, openib, ofi), which
-    Horovod's `-mca btl ^openib` brought back under horovodrun (libfabric: a second more per job)."""
+    Horovod's `-mca btl ^openib` brought back under horovodrun (libfabric: seconds more per job,
+    BENCHMARKS.md)."""
     from hvdtrain.cli.mpirun_child import _site_btl
 
     site = _site_btl(launch_env())
