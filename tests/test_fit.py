@@ -3,8 +3,11 @@
 import os
 import platform
 import re
+import select
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -83,6 +86,49 @@ def test_python_dash_m_and_config_command():
     done = subprocess.run([sys.executable, "-m", "hvdtrain", "config"], capture_output=True, text=True, cwd=ROOT)
     assert "batch_size: 64" in assert_ok(done).stdout
     assert yaml.safe_load(done.stdout)["data"]["name"] == "digits"
+
+
+_SCRIPT_FIT = """
+import hvdtrain
+hvdtrain.fit(data="random", epochs=1, run_dir={run!r}, progress="off", engine="local", threads=1,
+             overrides={{"data.samples": 256, "data.features": 8}})
+"""
+
+
+def _writes(command: list[str], cwd) -> tuple[int, dict[str, list[bytes]]]:
+    """Runs `command` under PYTHONUNBUFFERED=1, as horovodrun runs its ranks; returns its exit status and
+    each of stdout's and stderr's writes, one by one: a datagram socket keeps the boundaries a pipe loses
+    (empty writes, such as click's probe of a stream, are left out)."""
+    pairs = {name: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) for name in ("stdout", "stderr")}
+    process = subprocess.Popen(command, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               stdout=pairs["stdout"][1], stderr=pairs["stderr"][1])
+    writes: dict[str, list[bytes]] = {name: [] for name in pairs}
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ended = process.poll() is not None  # read once more after the end: what it wrote last
+        ready, _, _ = select.select([ours for ours, _ in pairs.values()], [], [], 0.1)
+        for name, (ours, _) in pairs.items():
+            if ours in ready:
+                writes[name] += [write for write in [ours.recv(1 << 16)] if write]
+        if ended and not ready:
+            break
+    process.kill()
+    for ours, theirs in pairs.values():
+        ours.close()
+        theirs.close()
+    return process.wait(), writes
+
+
+def test_each_line_leaves_the_process_in_one_write_where_python_writes_through(tmp_path):
+    """horovodrun runs its ranks with PYTHONUNBUFFERED=1 and tags each piece of their output it reads: a line
+    written as its text, then its newline, came out as `...7.3s[1,0]<stdout>:` and an empty tagged line.
+    The command's lines and a script's fit's each leave whole: the run directory, the epoch, the end."""
+    command = [sys.executable, "-m", "hvdtrain", "fit", *RANDOM, "--epochs", "1", "--run-dir", str(tmp_path / "a")]
+    script = [sys.executable, "-c", _SCRIPT_FIT.format(run=str(tmp_path / "b"))]
+    for status, writes in (_writes(command, tmp_path), _writes(script, tmp_path)):
+        lines = writes["stdout"]
+        assert status == 0 and len(lines) == 3, writes
+        assert all(write.endswith(b"\n") and write.count(b"\n") == 1 for write in lines), lines
 
 
 
