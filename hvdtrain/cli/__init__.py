@@ -21,12 +21,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: one clear line from rank 0 for bad input, tracebacks only with --debug. Without
     `argv`, the process's own command line: the process ends with the command."""
     if argv is None:
-        from hvdtrain.io.whole_lines import whole_lines
         from hvdtrain.train import early_signals
 
         early_signals.in_the_command_s_process()
         if sys.argv[1:2] == ["fit"]:  # before click and the rest of hvdtrain load: fit_from keeps it held
             early_signals.hold()
+        from hvdtrain.io.whole_lines import whole_lines
+
         whole_lines()
     code: int | str | None = 0
     try:
