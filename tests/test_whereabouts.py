@@ -131,10 +131,11 @@ def _where_while_it_runs(job: subprocess.Popen, held: list[Path], run_dir: Path)
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun-mpi", "torchrun"])
-def test_where_shows_every_rank_s_stack_of_a_live_run_which_then_ends_as_if_never_asked(launcher, tmp_path):
-    """The job holds in step 3 until the test has asked (its model waits for a file), then finishes."""
-    args = ["--progress", "off", "--epochs", "2", "--batch-size", "32"]
-    asked_dir, plain_dir, release = tmp_path / "asked", tmp_path / "plain", tmp_path / "release"
+def test_where_shows_every_rank_s_stack_of_a_live_run_which_then_ends_as_if_never_asked(launcher, tmp_path, request):
+    """The job holds in step 3 until the test has asked (its model waits for a file), then finishes with the
+    weights of the session's digits run under the same launcher, never asked (the hold only waits)."""
+    args = ["--progress", "off", "--epochs", "3"]
+    asked_dir, release = tmp_path / "asked", tmp_path / "release"
     prefix = [*LAUNCHERS[launcher], *(["-x", "HVDTRAIN_TEST_RELEASE_FILE"] if launcher == "mpirun" else [])]
     job = subprocess.Popen([*prefix, "hvdtrain", "fit", *args, "--model", "user_code:held_until_released",
                             "--run-dir", str(asked_dir)], env={**launch_env(), "HVDTRAIN_TEST_RELEASE_FILE": str(release)},
@@ -159,8 +160,7 @@ def test_where_shows_every_rank_s_stack_of_a_live_run_which_then_ends_as_if_neve
     assert len(kept) == 1 and sorted(p.name for p in kept[0].iterdir()) == ["rank-0.txt", "rank-1.txt"]
     assert all(f'"{USER_CODE}", line {line}' in (kept[0] / name).read_text() for name in ("rank-0.txt", "rank-1.txt"))
     assert not (asked_dir / "where.json").exists()  # removed at the end: no job runs there now
-    # The same training without the hold, never asked: the same weights (the hold only waits).
-    fit_ok(launcher, *args[2:], "--run-dir", str(plain_dir))
+    plain_dir, _ = request.getfixturevalue("digits_np2" if launcher == "horovodrun-mpi" else "digits_torchrun")
     asked = {name.removeprefix("inner."): value for name, value in final_weights(asked_dir).items()}
     plain = final_weights(plain_dir)
     assert asked.keys() == plain.keys() and all((asked[k] == plain[k]).all() for k in plain)

@@ -1,4 +1,5 @@
-"""A user's training script on hvdtrain's Python API: objects built in code, no factories.
+"""A user's training script on hvdtrain's Python API: objects built in code, no factories; then, as a
+sweep would, the same training again, its evaluation, and a fit that fails on rank 1.
 
     python tests/workers/api_script.py RUN_DIR [rank0-callback]
     horovodrun -np 2 python tests/workers/api_script.py RUN_DIR
@@ -12,11 +13,12 @@ than 0 build their model from another seed: hvdtrain starts every rank from rank
 import json
 import os
 import sys
+import time
 
 import torch
 
 import hvdtrain
-from user_code import StopAtEpochTwo, blobs_split, tiny_net
+from user_code import StopAtEpochTwo, blobs_split, corrupt_on_rank_one, tiny_net
 
 rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0"))))
 data = blobs_split()
@@ -40,3 +42,13 @@ if not sys.argv[2:]:
     metrics = hvdtrain.evaluate(sys.argv[1] + "-again", checkpoint="last", model=tiny_net((5,), 3), data=data[1],
                                 task=torch.nn.CrossEntropyLoss())
     print(f"rank {rank} again val_loss {again['val_loss']} evaluated {metrics['loss']}", flush=True)
+    # Last, a fit whose data fails on rank 1 in a data-loader worker: the script catches what each rank's
+    # fit raises and ends (the failed fit's workers must not keep the process from exiting).
+    started = time.monotonic()
+    try:
+        hvdtrain.fit(model=tiny_net((5,), 3), data=corrupt_on_rank_one(), task=torch.nn.CrossEntropyLoss(),
+                     epochs=3, batch_size=16, run_dir=sys.argv[1] + "-failing", progress="off",
+                     overrides={"data.num_workers": 2})
+    except Exception as failed:  # noqa: BLE001 - what each rank's fit raises is the test's finding
+        print(f"rank {rank} fit raised {type(failed).__module__}.{type(failed).__name__}: {failed}", flush=True)
+    print(f"rank {rank} script ends {time.monotonic() - started:.1f} s after the failing fit started", flush=True)
