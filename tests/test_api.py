@@ -103,9 +103,7 @@ def test_launch_from_a_plain_process_trains_as_the_command_and_names_a_failing_r
     assert_ok(done)
     assert f'summary: {{"world_size": 2, "engine": "{engine}"}}' in done.stdout
     assert_same_weights(final_weights(command_run), final_weights(tmp_path / "run"), atol=1e-6)
-    failed = run([sys.executable, str(LAUNCH), engine, "fail"], cwd=tmp_path, timeout=120)
-    assert_ok(failed)
-    assert "caught: rank=1 rank 1 failed: ValueError: rank one's shard is corrupt" in failed.stdout
+    assert "caught: rank=1 rank 1 failed: ValueError: rank one's shard is corrupt" in done.stdout
 
 
 def test_launch_refuses_what_it_cannot_run():
