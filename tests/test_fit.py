@@ -132,6 +132,27 @@ def test_each_line_leaves_the_process_in_one_write_where_python_writes_through(t
 
 
 
+def test_the_command_freezes_what_its_imports_made_and_runs_the_collector_again_a_script_s_is_its_own(tmp_path,
+                                                                                                     capsys):
+    """`hvdtrain fit` holds the garbage collector while torch and Horovod load, then freezes what they made
+    and turns it on again before the user's code runs; `hvdtrain.fit` in a script leaves it as it is."""
+    import gc
+
+    command = subprocess.run([sys.executable, "-m", "hvdtrain", "fit", *RANDOM, "--epochs", "1", "--callback",
+                              "user_code:ReportsCollector", "--run-dir", str(tmp_path / "a")],
+                             capture_output=True, text=True, cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"})
+    said = re.search(r"collector enabled (\w+) frozen (\d+)", assert_ok(command).stdout)
+    assert said and said[1] == "True" and int(said[2]) > 100_000, command.stdout
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # pytest's process, as any script's
+    import hvdtrain
+    from user_code import ReportsCollector
+
+    hvdtrain.fit(data="random", epochs=1, run_dir=str(tmp_path / "b"), progress="off", engine="local",
+                 callbacks=[ReportsCollector()], overrides={"data.samples": 256, "data.features": 8})
+    assert "collector enabled True frozen 0" in capsys.readouterr().out
+
+
 _COUNT_FAULTS = """
 import resource, sys
 from hvdtrain.cli import main

@@ -744,6 +744,15 @@ class StopAtStepTwo:
             state.stop("two steps are enough")
 
 
+class ReportsCollector:
+    """Says as fit starts whether Python's garbage collector runs, and how many objects it keeps frozen."""
+
+    def on_fit_start(self, state):
+        import gc
+
+        print(f"collector enabled {gc.isenabled()} frozen {gc.get_freeze_count()}", flush=True)
+
+
 class StopAtEpochTwo:
     """Asks to stop at the end of epoch 2 (given to one rank only by tests/workers/api_script.py)."""
 

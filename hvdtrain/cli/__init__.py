@@ -26,6 +26,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         early_signals.in_the_command_s_process()
         if sys.argv[1:2] == ["fit"]:  # before click and the rest of hvdtrain load: fit_from keeps it held
             early_signals.hold()
+            from hvdtrain import startup_gc
+
+            startup_gc.hold()  # until the engine has started (running_engine)
         from hvdtrain.io.whole_lines import whole_lines
 
         whole_lines()

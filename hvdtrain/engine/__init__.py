@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from hvdtrain import startup_gc
 from hvdtrain.engine import host_memory
 from hvdtrain.engine.base import Engine, GradientSync, RankFailed
 from hvdtrain.engine.environment import (available_cores, environment_rank, launcher_facts, plain_srun_rank,
@@ -101,6 +102,7 @@ def running_engine(on_failure: Callable[[Exception], None] | None = None, **engi
     the other ranks as soon as one exits, and rank 0 must have said why by then.
     """
     engine = start_engine(**engine_args)
+    startup_gc.settle()  # torch and Horovod are in: the collector runs again, past what they made
     others = engine.size > 1
     finished = False
     try:
