@@ -64,10 +64,8 @@ def fit(model: ModelLike | None = None, data: DataLike | None = None, task: Any 
 def fit_from(make_config: Callable[[], Config], on_failure: Callable[[Exception], None] | None = None) -> dict[str, Any]:
     """What `hvdtrain.fit` and the command share: the config made, the engine it names started, the
     run trained; `on_failure(err)` sees a failure before the engine shuts down (`running_engine`)."""
-    from hvdtrain.io.whole_lines import whole_lines
     from hvdtrain.train import early_signals
 
-    whole_lines()  # a script's process too: under horovodrun, our lines leave it whole
     early_signals.hold()  # a scheduler's signal while starting stops at the first step, not kills
     try:
         cfg = make_config()

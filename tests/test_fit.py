@@ -100,8 +100,8 @@ def _writes(command: list[str], cwd) -> tuple[int, dict[str, list[bytes]]]:
     each of stdout's and stderr's writes, one by one: a datagram socket keeps the boundaries a pipe loses
     (empty writes, such as click's probe of a stream, are left out)."""
     pairs = {name: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) for name in ("stdout", "stderr")}
-    process = subprocess.Popen(command, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                               stdout=pairs["stdout"][1], stderr=pairs["stderr"][1])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=pairs["stdout"][1], stderr=pairs["stderr"][1])
     writes: dict[str, list[bytes]] = {name: [] for name in pairs}
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -122,12 +122,14 @@ def _writes(command: list[str], cwd) -> tuple[int, dict[str, list[bytes]]]:
 def test_each_line_leaves_the_process_in_one_write_where_python_writes_through(tmp_path):
     """horovodrun runs its ranks with PYTHONUNBUFFERED=1 and tags each piece of their output it reads: a line
     written as its text, then its newline, came out as `...7.3s[1,0]<stdout>:` and an empty tagged line.
-    The command's lines and a script's fit's each leave whole: the run directory, the epoch, the end."""
-    command = [sys.executable, "-m", "hvdtrain", "fit", *RANDOM, "--epochs", "1", "--run-dir", str(tmp_path / "a")]
+    Each line of the command's process (a user's callback's print among them) and each of a script's fit's
+    leaves whole: the run directory, the epoch, the end."""
+    command = [sys.executable, "-m", "hvdtrain", "fit", *RANDOM, "--epochs", "1", "--run-dir", str(tmp_path / "a"),
+               "--callback", "user_code:ReportsCollector"]
     script = [sys.executable, "-c", _SCRIPT_FIT.format(run=str(tmp_path / "b"))]
-    for status, writes in (_writes(command, tmp_path), _writes(script, tmp_path)):
+    for (status, writes), count in ((_writes(command, tmp_path), 4), (_writes(script, tmp_path), 3)):
         lines = writes["stdout"]
-        assert status == 0 and len(lines) == 3, writes
+        assert status == 0 and len(lines) == count, writes
         assert all(write.endswith(b"\n") and write.count(b"\n") == 1 for write in lines), lines
 
 

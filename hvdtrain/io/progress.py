@@ -63,6 +63,10 @@ def epoch_line(record: dict[str, Any]) -> str:
             f"{record['train_samples_per_s']:,.0f} samples/s  {record['elapsed_s']:.1f}s{slow}")
 
 
-def say(message: str) -> None:
-    """A line for the user on stdout, flushed so launchers forward it at once."""
-    print(message, flush=True)
+def say(message: str, err: bool = False) -> None:
+    """A line for the user on stdout (`err`: stderr), flushed so launchers forward it at once, and in one
+    write: a launcher tags each piece it reads, and print's text and newline are two writes where the
+    stream writes through (PYTHONUNBUFFERED, which horovodrun sets; a script's own streams are left so)."""
+    stream = sys.stderr if err else sys.stdout
+    stream.write(f"{message}\n")
+    stream.flush()

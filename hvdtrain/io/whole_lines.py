@@ -3,7 +3,8 @@
 Launchers read each rank's output as it comes and tag every piece they read (`[1,0]<stdout>:`).
 horovodrun runs its ranks with PYTHONUNBUFFERED=1, where print's text and its newline are two writes:
 a line then reads `...7.3s[1,0]<stdout>:` followed by an empty tagged line. Line buffering keeps them
-one write, and still hands each line to the launcher as soon as it ends.
+one write, and still hands each line to the launcher as soon as it ends. The `hvdtrain` command's own
+process only: a script's streams are the script's (`progress.say` writes each of fit's lines once).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from hvdtrain.data.augment import on_device
 from hvdtrain.engine import Engine
 from hvdtrain.errors import UserError
 from hvdtrain.io.checkpoint import Start
+from hvdtrain.io.progress import say
 from hvdtrain.io import run_lock
 from hvdtrain.io.run_dir import prepare_run_dir
 from hvdtrain.train.callbacks import Callbacks, StoppedEarly
@@ -193,8 +194,8 @@ class Trainer:
         """Rank 0, as soon as every rank agreed to stop on a signal and before the checkpoint (which may take
         minutes): the user who pressed Ctrl-C learns that it was heard, and what a second one costs."""
         if signal is not None and self.engine.is_root:
-            print(f"hvdtrain: {signal}: every rank stops at {where}, writing a checkpoint first (a second signal, "
-                  "2 s or more later, ends the job at once without it)", file=sys.stderr, flush=True)
+            say(f"hvdtrain: {signal}: every rank stops at {where}, writing a checkpoint first (a second signal, "
+                "2 s or more later, ends the job at once without it)", err=True)
 
     def _begin_epoch(self, epoch: int, step: int, resumed: Start | None) -> _Epoch:
         engine = self.engine
