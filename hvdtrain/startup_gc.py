@@ -1,7 +1,7 @@
 """Python's garbage collector while `hvdtrain fit` starts.
 
 Importing torch and Horovod makes a few hundred thousand objects that live as long as the process, and
-the collector walked all of them again and again before the first step: 0.4 s of a rank's 2.4 s start
+the collector walked all of them again and again before the first step: 0.4 s of a rank's 2.3 s start
 on the CPU. The command holds the collector while it imports (`hold`), then freezes what the imports
 made and lets it run again (`settle`): its later full collections walk only the objects made since.
 Those collections pause one rank while the others wait for it in the next allreduce, so they cost the

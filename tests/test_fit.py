@@ -133,9 +133,8 @@ def test_each_line_leaves_the_process_in_one_write_where_python_writes_through(t
         assert all(write.endswith(b"\n") and write.count(b"\n") == 1 for write in lines), lines
 
 
-
-def test_the_command_freezes_what_its_imports_made_and_runs_the_collector_again_a_script_s_is_its_own(tmp_path,
-                                                                                                     capsys):
+def test_the_command_freezes_what_its_imports_made_and_runs_the_collector_again_a_script_s_is_its_own(
+        tmp_path, capsys):
     """`hvdtrain fit` holds the garbage collector while torch and Horovod load, then freezes what they made
     and turns it on again before the user's code runs; `hvdtrain.fit` in a script leaves it as it is."""
     import gc

@@ -133,7 +133,8 @@ def _where_while_it_runs(job: subprocess.Popen, held: list[Path], run_dir: Path)
 @pytest.mark.parametrize("launcher", ["horovodrun-mpi", "torchrun"])
 def test_where_shows_every_rank_s_stack_of_a_live_run_which_then_ends_as_if_never_asked(launcher, tmp_path, request):
     """The job holds in step 3 until the test has asked (its model waits for a file), then finishes with the
-    weights of the session's digits run under the same launcher, never asked (the hold only waits)."""
+    weights of the session's digits run under the same launcher and engine, never asked (the hold only waits;
+    that run's step log and Horovod timeline change no weight)."""
     args = ["--progress", "off", "--epochs", "3"]
     asked_dir, release = tmp_path / "asked", tmp_path / "release"
     prefix = [*LAUNCHERS[launcher], *(["-x", "HVDTRAIN_TEST_RELEASE_FILE"] if launcher == "mpirun" else [])]

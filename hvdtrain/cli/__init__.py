@@ -115,6 +115,7 @@ def _interrupted(debug: bool, command_process: bool) -> NoReturn:
     if not command_process:
         sys.exit(130)
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(130)
 
 

@@ -4,7 +4,7 @@
 `torch_distributed` (the only one to set up a process group) implement it, the last two over
 `watched` (collectives the stall watchdog can name); `buckets` combines gradients while backward runs,
 `sharded` shards the optimizer state; `environment` reads the launchers' variables, `watchdog` names
-stalled ranks. Imports only `errors` of hvdtrain.
+stalled ranks. Imports only `errors` and `startup_gc` of hvdtrain.
 """
 
 from __future__ import annotations

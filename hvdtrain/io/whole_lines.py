@@ -1,4 +1,4 @@
-"""Every line a process prints leaves it in one write.
+"""Each line the `hvdtrain` command's process prints leaves it in one write (up to the buffer's 8 KiB).
 
 Launchers read each rank's output as it comes and tag every piece they read (`[1,0]<stdout>:`).
 horovodrun runs its ranks with PYTHONUNBUFFERED=1, where print's text and its newline are two writes:

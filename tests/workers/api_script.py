@@ -1,5 +1,5 @@
 """A user's training script on hvdtrain's Python API: objects built in code, no factories; then, as a
-sweep would, the same training again, its evaluation, and a fit that fails on rank 1.
+sweep would, the same training again, its evaluation, and (on 2 processes) a fit that fails on rank 1.
 
     python tests/workers/api_script.py RUN_DIR [rank0-callback]
     horovodrun -np 2 python tests/workers/api_script.py RUN_DIR
@@ -42,6 +42,7 @@ if not sys.argv[2:]:
     metrics = hvdtrain.evaluate(sys.argv[1] + "-again", checkpoint="last", model=tiny_net((5,), 3), data=data[1],
                                 task=torch.nn.CrossEntropyLoss())
     print(f"rank {rank} again val_loss {again['val_loss']} evaluated {metrics['loss']}", flush=True)
+if not sys.argv[2:] and summary["world_size"] > 1:
     # Last, a fit whose data fails on rank 1 in a data-loader worker: the script catches what each rank's
     # fit raises and ends (the failed fit's workers must not keep the process from exiting).
     started = time.monotonic()
