@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, assert_ok, assert_same_weights, epoch_records, final_weights, run_summary
+from conftest import ROOT, assert_ok, assert_same_weights, epoch_records, final_weights, launch_env, run_summary
 from hvdtrain.cli import main
 
 RANDOM = ["--data", "random", "--set", "data.samples=512", "--set", "data.features=16",
@@ -100,8 +100,8 @@ def _writes(command: list[str], cwd) -> tuple[int, dict[str, list[bytes]]]:
     each of stdout's and stderr's writes, one by one: a datagram socket keeps the boundaries a pipe loses
     (empty writes, such as click's probe of a stream, are left out)."""
     pairs = {name: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) for name in ("stdout", "stderr")}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=pairs["stdout"][1], stderr=pairs["stderr"][1])
+    process = subprocess.Popen(command, cwd=cwd, env={**launch_env(), "PYTHONUNBUFFERED": "1"},
+                               stdout=pairs["stdout"][1], stderr=pairs["stderr"][1])
     writes: dict[str, list[bytes]] = {name: [] for name in pairs}
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -119,32 +119,37 @@ def _writes(command: list[str], cwd) -> tuple[int, dict[str, list[bytes]]]:
     return process.wait(), writes
 
 
-def test_each_line_leaves_the_process_in_one_write_where_python_writes_through(tmp_path):
+@pytest.fixture(scope="module")
+def command_writes(tmp_path_factory) -> tuple[int, dict[str, list[bytes]]]:
+    """`hvdtrain fit` under PYTHONUNBUFFERED=1, with a callback that prints the garbage collector's state:
+    its exit status and each of its writes."""
+    folder = tmp_path_factory.mktemp("command")
+    return _writes([sys.executable, "-m", "hvdtrain", "fit", *RANDOM, "--epochs", "1", "--run-dir",
+                    str(folder / "run"), "--callback", "user_code:ReportsCollector"], folder)
+
+
+def test_each_line_leaves_the_process_in_one_write_where_python_writes_through(command_writes, tmp_path):
     """horovodrun runs its ranks with PYTHONUNBUFFERED=1 and tags each piece of their output it reads: a line
     written as its text, then its newline, came out as `...7.3s[1,0]<stdout>:` and an empty tagged line.
     Each line of the command's process (a user's callback's print among them) and each of a script's fit's
     leaves whole: the run directory, the epoch, the end."""
-    command = [sys.executable, "-m", "hvdtrain", "fit", *RANDOM, "--epochs", "1", "--run-dir", str(tmp_path / "a"),
-               "--callback", "user_code:ReportsCollector"]
     script = [sys.executable, "-c", _SCRIPT_FIT.format(run=str(tmp_path / "b"))]
-    for (status, writes), count in ((_writes(command, tmp_path), 4), (_writes(script, tmp_path), 3)):
+    for (status, writes), count in ((command_writes, 4), (_writes(script, tmp_path), 3)):
         lines = writes["stdout"]
         assert status == 0 and len(lines) == count, writes
         assert all(write.endswith(b"\n") and write.count(b"\n") == 1 for write in lines), lines
 
 
 def test_the_command_freezes_what_its_imports_made_and_runs_the_collector_again_a_script_s_is_its_own(
-        tmp_path, capsys):
+        command_writes, tmp_path, capsys):
     """`hvdtrain fit` holds the garbage collector while torch and Horovod load, then freezes what they made
     and turns it on again before the user's code runs; `hvdtrain.fit` in a script leaves it as it is."""
     import gc
 
-    command = subprocess.run([sys.executable, "-m", "hvdtrain", "fit", *RANDOM, "--epochs", "1", "--callback",
-                              "user_code:ReportsCollector", "--run-dir", str(tmp_path / "a")],
-                             capture_output=True, text=True, cwd=tmp_path,
-                             env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"})
-    said = re.search(r"collector enabled (\w+) frozen (\d+)", assert_ok(command).stdout)
-    assert said and said[1] == "True" and int(said[2]) > 100_000, command.stdout
+    status, writes = command_writes
+    output = b"".join(writes["stdout"]).decode()
+    said = re.search(r"collector enabled (\w+) frozen (\d+)", output)
+    assert status == 0 and said and said[1] == "True" and int(said[2]) > 100_000, writes
     assert gc.isenabled() and gc.get_freeze_count() == 0  # pytest's process, as any script's
     import hvdtrain
     from user_code import ReportsCollector
