@@ -19,11 +19,27 @@ def is_factory_path(text: str) -> bool:
     return bool(sep and module and function)
 
 
+FILE_SUFFIXES = ("py", "csv", "tsv", "txt", "json", "jsonl", "parquet", "npy", "npz", "bin", "tar", "h5", "pt")
+"""Endings that make a dotted name a file's rather than a module's function."""
+
+
+def colon_hint(name: str) -> str:
+    """For `package.module.function` where `package.module:function` was meant: the name to give instead."""
+    parts = name.split(".")
+    if ":" in name or len(parts) < 2 or not all(part.isidentifier() for part in parts) or parts[-1] in FILE_SUFFIXES:
+        return ""
+    return f" (a module's function is named with a colon: '{'.'.join(parts[:-1])}:{parts[-1]}')"
+
+
 def resolve_factory(path: str, what: str, require_callable: bool = True) -> Callable[..., Any]:
     """Imports `package.module:function`; a clear error when it does not import."""
     if not is_factory_path(path):
-        raise UserError(f"{what} factory '{path}' must look like package.module:function")
+        raise UserError(f"{what} factory '{path}' must look like package.module:function{colon_hint(path)}")
     module_name, _, attribute = path.partition(":")
+    if "/" in module_name or module_name.endswith(".py"):  # a file named where its module was meant
+        folder, _, file_name = module_name.rpartition("/")
+        raise UserError(f"{what} factory '{path}' names a file: name its module and put its folder on PYTHONPATH "
+                        f"(PYTHONPATH={folder or '.'} and {file_name.removesuffix('.py')}:{attribute})")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:

@@ -11,7 +11,7 @@ from torch import nn
 
 from hvdtrain.config import ModelConfig
 from hvdtrain.errors import UserError
-from hvdtrain.factory import call_factory, is_factory_path, resolve_factory
+from hvdtrain.factory import call_factory, colon_hint, is_factory_path, resolve_factory
 
 RESNETS = {"resnet18": ("basic", (2, 2, 2, 2)), "resnet34": ("basic", (3, 4, 6, 3)),
            "resnet50": ("bottleneck", (3, 4, 6, 3)), "resnet101": ("bottleneck", (3, 4, 23, 3)),
@@ -81,7 +81,8 @@ def build_model(cfg: ModelConfig, input_shape: tuple[int, ...] | None, num_class
         if not isinstance(made, nn.Module):
             raise UserError(f"model factory '{cfg.name}' returned {type(made).__name__}: return a torch.nn.Module")
         return made
-    raise UserError(f"unknown model '{cfg.name}': use one of {', '.join(BUILT_IN)} or package.module:function")
+    raise UserError(f"unknown model '{cfg.name}': use one of {', '.join(BUILT_IN)} or "
+                    f"package.module:function{colon_hint(cfg.name)}")
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 128) -> nn.Module:

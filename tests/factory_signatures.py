@@ -65,11 +65,6 @@ class RandomDataset(Dataset):
         return len(self.data)
 
 
-def adam(model, lr, betas=(0.9, 0.999)):
-    """An optimizer factory with an argument of its own."""
-    return torch.optim.Adam(model.parameters(), lr=lr, betas=tuple(betas))
-
-
 def net(input_shape, num_classes, depth):
     """A factory that declares every name it takes, `depth` its own."""
     inner = [module for _ in range(depth - 1) for module in (nn.Linear(16, 16), nn.Tanh())]

@@ -76,19 +76,54 @@ def test_the_listing_of_every_key_shows_the_args_keys():
 
 
 def test_set_data_args_reach_a_dataset_class_and_stay_in_the_run_s_config(tmp_path, capsys):
-    """The tutorial's RandomDataset(size, length), named as it is, its arguments from --set; the
-    optimizer's own from optim.args; and evaluate of the run builds the same data set again."""
+    """The tutorial's RandomDataset(size, length), named as it is, its arguments from --set; a torch.optim
+    class as the optimizer (given the model's parameters as `params`), its own arguments from optim.args;
+    and evaluate of the run builds the same data set again."""
     run_dir = tmp_path / "run"
     main(["fit", "--data", "factory_signatures:RandomDataset", "--set", "data.args.size=5",
-          "--set", "data.args.length=200", "--optimizer", "factory_signatures:adam",
+          "--set", "data.args.length=200", "--optimizer", "torch.optim:Adam",
           "--set", "optim.args.betas=[0.8, 0.9]",
           "--lr", "0.01", "--epochs", "2", "--batch-size", "16", "--engine", "local", "--progress", "off",
           "--threads", "1", "--run-dir", str(run_dir)])
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["data"]["args"] == {"size": 5, "length": 200} and saved["optim"]["args"] == {"betas": [0.8, 0.9]}
+    groups = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["optimizer"]["param_groups"]
+    assert [tuple(group["betas"]) for group in groups] == [(0.8, 0.9)] and len(groups[0]["params"]) == 4
     assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]["1.weight"].shape == (128, 5)
     evaluated = hvdtrain.evaluate(run_dir)
     assert evaluated["samples"] == 40
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"optim.name": "torch.optim.AdamW"}, "config key 'optim.name' must be sgd, adamw or package.module:function, got "
+                                          "'torch.optim.AdamW' (a module's function is named with a colon: "
+                                          "'torch.optim:AdamW')"),
+    ({"data.collate": "mytask.pad"}, "config key 'data.collate' must be pad or package.module:function, got "
+                                     "'mytask.pad' (a module's function is named with a colon: 'mytask:pad')"),
+    ({"optim.name": "adamw", "optim.momentum": 0.5}, "config key 'optim.momentum' is sgd's, and optim.name is 'adamw': "
+                                                     "for AdamW's betas use --optimizer torch.optim:AdamW --set "
+                                                     "'optim.args.betas=[0.9, 0.95]'"),
+    ({"optim.name": "torch.optim:Adam", "optim.weight_decay": 0.1},
+     "config key 'optim.weight_decay' is for sgd and adamw, and optim.name is 'torch.optim:Adam': give your "
+     "optimizer's own in optim.args (--set optim.args.weight_decay=...)"),
+])
+def test_a_name_in_the_wrong_form_or_a_key_that_would_change_nothing_is_one_line(overrides, message):
+    with pytest.raises(UserError) as raised:
+        Config.from_dict({}, overrides)
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("name, message", [
+    ("factory_signatures.net", "unknown model 'factory_signatures.net': use one of mlp, cnn, resnet18, resnet34, "
+                               "resnet50, resnet101, resnet152 or package.module:function (a module's function is "
+                               "named with a colon: 'factory_signatures:net')"),
+    ("src/factory_signatures.py:net", "model factory 'src/factory_signatures.py:net' names a file: name its module and "
+                                      "put its folder on PYTHONPATH (PYTHONPATH=src and factory_signatures:net)"),
+])
+def test_a_model_named_as_a_dotted_path_or_a_file_says_how_to_name_it(name, message):
+    with pytest.raises(UserError) as raised:
+        build_model(ModelConfig(name=name), DIGITS, 10)
+    assert str(raised.value) == message
 
 
 def test_a_dataset_class_without_its_arguments_says_which_to_give(tmp_path):

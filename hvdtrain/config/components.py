@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Literal, Optional
 
 from hvdtrain.config.coercion import require
+from hvdtrain.factory import colon_hint
 
 
 @dataclass
@@ -82,7 +83,7 @@ class DataConfig:
             require(self.num_classes >= 1, "data.num_classes", f"must be at least 1, got {self.num_classes}")
         if self.collate is not None:
             require(self.collate == "pad" or ":" in self.collate, "data.collate",
-                    f"must be pad or package.module:function, got '{self.collate}'")
+                    f"must be pad or package.module:function, got '{self.collate}'{colon_hint(self.collate)}")
 
 
 @dataclass
@@ -142,7 +143,8 @@ BUILT_IN_OPTIMIZERS = frozenset({"sgd", "adamw"})
 class OptimConfig:
     name: str = "sgd"
     """`sgd`, `adamw` (no weight decay on parameters of fewer than 2 dimensions: biases, norm scales),
-    or `package.module:function` given the model and lr (each group's lr keeps its ratio to `lr`)."""
+    or `package.module:function` given those of the model, its parameters (`params`) and lr that it declares, so
+    a torch.optim class itself is one: `torch.optim:Adam` (each group's lr keeps its ratio to `lr`)."""
     args: Dict[str, Any] = field(default_factory=dict)
     """A `package.module:function` optimizer's own arguments, by name (`--set optim.args.eps=1e-6`)."""
     lr: float = 0.05
@@ -152,9 +154,9 @@ class OptimConfig:
     """The global batch `lr` is meant for (None: data.batch_size, one process's batch; a resume keeps
     the checkpoint's, so the same global batch on another number of processes keeps the same lr)."""
     momentum: float = 0.9
-    """SGD momentum."""
+    """SGD momentum (`sgd` only: another optimizer's own is in optim.args)."""
     weight_decay: float = 0.0
-    """Weight decay (decoupled for AdamW)."""
+    """Weight decay (decoupled for AdamW; `sgd` and `adamw` only: another optimizer's own is in optim.args)."""
     scale_lr: bool = True
     """dist: scale lr linearly with the global batch (Goyal et al., 2017)."""
     warmup_epochs: float = 1.0
@@ -172,12 +174,20 @@ class OptimConfig:
     def __post_init__(self) -> None:
         require(self.lr > 0, "optim.lr", f"must be positive, got {self.lr}")
         require(self.name in BUILT_IN_OPTIMIZERS or ":" in self.name, "optim.name",
-                f"must be sgd, adamw or package.module:function, got '{self.name}'")
+                f"must be sgd, adamw or package.module:function, got '{self.name}'{colon_hint(self.name)}")
         _args_need_a_factory(self.args, self.name, "optim")
         if self.lr_batch is not None:
             require(self.lr_batch > 0, "optim.lr_batch", f"must be positive, got {self.lr_batch}")
         require(0 <= self.momentum < 1, "optim.momentum", f"must be in [0, 1), got {self.momentum}")
         require(self.weight_decay >= 0, "optim.weight_decay", f"must be 0 or more, got {self.weight_decay}")
+        # Keys that would change nothing are refused rather than ignored (defaults pass).
+        require(self.name == "sgd" or self.momentum == OptimConfig.momentum, "optim.momentum",
+                f"is sgd's, and optim.name is '{self.name}'"
+                + (": for AdamW's betas use --optimizer torch.optim:AdamW --set 'optim.args.betas=[0.9, 0.95]'"
+                   if self.name == "adamw" else ": give your optimizer's own in optim.args (--set optim.args.momentum=...)"))
+        require(self.name in BUILT_IN_OPTIMIZERS or self.weight_decay == OptimConfig.weight_decay, "optim.weight_decay",
+                f"is for sgd and adamw, and optim.name is '{self.name}': give your optimizer's own in optim.args "
+                "(--set optim.args.weight_decay=...)")
         require(self.warmup_epochs >= 0, "optim.warmup_epochs", f"must be 0 or more, got {self.warmup_epochs}")
         require(self.step_every_epochs > 0, "optim.step_every_epochs", f"must be positive, got {self.step_every_epochs}")
         require(0 < self.step_gamma <= 1, "optim.step_gamma", f"must be in (0, 1], got {self.step_gamma}")

@@ -164,7 +164,10 @@ def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
-    made = call_factory(cfg.name, "optimizer", {"model": model, "lr": cfg.lr}, args=cfg.args, args_key="optim.args")
+    # `params` makes a torch.optim class itself a factory: --optimizer torch.optim:Adam
+    offered = {"model": model, "params": list(model.parameters()), "lr": cfg.lr}
+    made = call_factory(cfg.name, "optimizer", offered, args=cfg.args, args_key="optim.args",
+                        convention=("model", "lr"))
     if not isinstance(made, torch.optim.Optimizer):
         raise UserError(f"optimizer factory '{cfg.name}' returned {type(made).__name__}: return a "
                         "torch.optim.Optimizer over the model's parameters")

@@ -25,6 +25,7 @@ from hvdtrain.data.sources.tar_shards import TarShards
 from hvdtrain.data.sources.tokens import TokenFile
 from hvdtrain.data.sources.user import UserFactory
 from hvdtrain.errors import UserError
+from hvdtrain.factory import colon_hint
 
 __all__ = ["BUILT_IN", "PARTS", "SOURCES", "DataSplit", "Source", "build_data", "build_part", "source_of"]
 
@@ -74,5 +75,5 @@ def source_of(name: str) -> Source:
                         "a .bin token file, .tar shards or class folders of images")
     raise UserError(
         f"unknown data set '{name}': use one of {', '.join(BUILT_IN)}, a path to an .npz file, a directory "
-        "of .npy arrays, a .bin token file, or package.module:function"
+        f"of .npy arrays, a .bin token file, or package.module:function{colon_hint(name)}"
     )
