@@ -180,6 +180,21 @@ def test_evaluate_predict_and_export_work_for_every_task(task, tmp_path, capsys)
     assert capsys.readouterr().out.count("differ from the checkpoint's model by at most 0") == 2
 
 
+def test_a_run_on_data_named_from_its_directory_is_evaluated_from_any_other(tmp_path, monkeypatch, capsys):
+    """A relative --data path is kept as an absolute one: evaluate and predict from elsewhere find the data."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    generator = torch.Generator().manual_seed(0)
+    np.savez(work / "blobs.npz", x=torch.randn(200, 5, generator=generator).numpy(),
+             y=torch.randint(0, 3, (200,), generator=generator).numpy())
+    monkeypatch.chdir(work)
+    main(["fit", *LOCAL, "--data", "blobs.npz", "--epochs", "1", "--batch-size", "16", "--run-dir", "runs/a"])
+    monkeypatch.chdir(elsewhere)
+    main(["evaluate", str(work / "runs" / "a"), "--output", "e.json"])
+    assert json.loads((elsewhere / "e.json").read_text())["samples"] == 40
+    assert f"of {work / 'blobs.npz'} (val)" in capsys.readouterr().out
+
+
 # --- plot and runs -------------------------------------------------------------------------
 
 

@@ -153,6 +153,7 @@ def resume_refused(run_dir: Path, capsys, *args: str) -> str:
 def test_checkpoint_of_another_model(existing_run, capsys):
     err = resume_refused(existing_run, capsys, "--set", "model.hidden=32")
     assert "does not fit this model" in err and "size mismatch" in err
+    assert err.strip().endswith("resume with the settings it was written with (model.hidden was 128, now 32)"), err
 
 
 def test_checkpoint_of_another_task(existing_run, capsys):

@@ -212,8 +212,8 @@ def restore(run: Run, config: Config, run_dir: Path,
     try:
         unwrapped(run.model).load_state_dict(state["model"])
     except RuntimeError as err:
-        raise UserError(f"checkpoint '{path}' does not fit this model: {message_lines(err, 3)}; "
-                        "resume with the model settings it was written with") from err
+        raise UserError(f"checkpoint '{path}' does not fit this model: {message_lines(err, 3)}; resume with the "
+                        f"settings it was written with{_settings_changed(state.get('config', {}), config)}") from err
     written = state.get("config", {}).get("optim", {}).get("name")
     another = UserError(f"checkpoint '{path}' holds the state of optimizer '{written}', which does not fit this "
                         f"run's '{config.optim.name}': resume with --optimizer {written}, or start a new run in "
@@ -235,6 +235,24 @@ def restore(run: Run, config: Config, run_dir: Path,
     inside = f", {start.position} samples into epoch {state['epoch'] + 1}" if start.position else ""
     say(f"hvdtrain: resuming from {path} (epoch {state['epoch']}, step {state['step']}{inside})")
     return start, whole if engine.gradient_shards is not None else None, _powersgd_state(state, engine)
+
+
+SHAPING_KEYS = ("data.name", "data.image_size", "data.augment", "data.features", "data.classes", "data.num_classes",
+                "data.context", "data.input_columns", "data.target_column", "model.name", "model.args", "model.hidden",
+                "task.name", "task.args")
+"""The config keys that decide the model's shapes, named when a checkpoint does not fit."""
+
+
+def _settings_changed(written: dict[str, Any], config: Config) -> str:
+    """`: <key> was X, now Y, ...` for the keys that shape the model and differ from the checkpoint's run."""
+    now = config.to_dict()
+    changed = []
+    for key in SHAPING_KEYS:
+        section, _, name = key.partition(".")
+        before, after = written.get(section, {}).get(name), now[section][name]
+        if section in written and before != after:
+            changed.append(f"{key} was {before!r}, now {after!r}")
+    return f" ({'; '.join(changed)})" if changed else ""
 
 
 def _powersgd_state(state: dict[str, Any], engine: Engine) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from hvdtrain.config import Config
+from hvdtrain.data.sources import located
 from hvdtrain.engine import Engine
 from hvdtrain.train import early_signals
 from hvdtrain.train.elastic import fit_elastic
@@ -25,6 +26,7 @@ from hvdtrain.train.plain import fit_plain
 def fit(config: Config, engine: Engine) -> dict[str, Any]:
     """Trains as the config says; returns the summary (also in summary.json)."""
     started = time.perf_counter()
+    config.data.name = located(config.data.name)  # the run's config and checkpoints hold where the data is
     sys.stderr.write(f"hvdtrain: {engine.describe()}\n")  # every rank, once; one write keeps it whole
     sys.stderr.flush()
     if config.train.elastic:

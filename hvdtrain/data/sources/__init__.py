@@ -10,6 +10,7 @@ npz.py; tensors.py holds what the in-memory kinds share.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from torch.utils.data import Dataset
@@ -27,7 +28,7 @@ from hvdtrain.data.sources.user import UserFactory
 from hvdtrain.errors import UserError
 from hvdtrain.factory import colon_hint
 
-__all__ = ["BUILT_IN", "PARTS", "SOURCES", "DataSplit", "Source", "build_data", "build_part", "source_of"]
+__all__ = ["BUILT_IN", "PARTS", "SOURCES", "DataSplit", "Source", "build_data", "build_part", "located", "source_of"]
 
 SOURCES: tuple[Source, ...] = (
     UserFactory(),  # package.module:function, before any file: a factory's name may look like one
@@ -43,6 +44,8 @@ SOURCES: tuple[Source, ...] = (
 """Every kind of data source, in the order they are asked which claims a name."""
 
 PARTS = ("val", "train", "all")
+NOT_FILES = (UserFactory, Digits, RandomTeacher)
+"""The sources whose names are not paths."""
 
 
 def build_data(cfg: DataConfig, seed: int, target_key: str = "labels") -> DataSplit:
@@ -64,9 +67,24 @@ def build_part(cfg: DataConfig, seed: int, target_key: str, part: str, need_targ
     return source_of(cfg.name).whole(cfg, seed, need_targets)
 
 
+def located(name: str) -> str:
+    """`name` as the run keeps it: a file or directory that exists (or a pattern of tar shards) as an
+    absolute path, `~` expanded, so that evaluate, predict and a resume find it from any directory;
+    other names as they are (a missing file's error names it as given)."""
+    if isinstance(_claimant(name), NOT_FILES):
+        return name
+    path = os.path.abspath(os.path.expanduser(name))
+    exists = os.path.exists(path) or any(mark in name for mark in "{*")
+    return path if exists and _claimant(path) is not None else name
+
+
+def _claimant(name: str) -> Source | None:
+    return next((source for source in SOURCES if source.claims(name)), None)
+
+
 def source_of(name: str) -> Source:
     """The first source in `SOURCES` that claims `name`; one line naming what would be when none does."""
-    found = next((source for source in SOURCES if source.claims(name)), None)
+    found = _claimant(name)
     if found is not None:
         return found
     if "/" in name or Path(name).exists():
