@@ -4,6 +4,12 @@ A `UserError` ends the run with one line from rank 0 and exit status 2; anything
 else is a bug or a failure of the machine and keeps its traceback.
 """
 
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
 
 class UserError(Exception):
     """Bad input: the message says what is wrong and how to fix it."""
@@ -84,6 +90,17 @@ def message_lines(err: BaseException, count: int = 1) -> str:
     """The first `count` lines of an exception's message, joined into one line."""
     lines = str(err).strip().splitlines()
     return " ".join(line.strip() for line in lines[:count])
+
+
+def users_code(failure: str, call: Callable[[], T], hint: Callable[[BaseException], str] = lambda err: "") -> T:
+    """`call()`, where the user's code runs: its failure becomes one line, `failure: Type: message (file:line
+    in function)` and `hint(err)` (what to do, from `; `); a UserError passes as it is."""
+    try:
+        return call()
+    except UserError:
+        raise
+    except Exception as err:
+        raise UserError(f"{failure}: {type(err).__name__}: {message_lines(err)}{where(err)}{hint(err)}") from err
 
 
 def where(err: BaseException) -> str:

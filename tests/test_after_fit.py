@@ -294,7 +294,14 @@ BAD = {
     "labels beyond the classes": (["evaluate", "{run}", "--data", "{tmp}/many.npz"], "the labels reach 12"),
     "missing checkpoint file": (["export", "{run}", "--checkpoint", "{tmp}/x.pt"], "checkpoint '"),
     "nothing to plot": (["plot", "{empty}"], "not a run directory"),
+    "samples that do not stack": (["predict", "{run}", "--data", "user_code:ragged", "--output", "{tmp}/p.npy"],
+                                  "the first prediction batch (samples 0 to "),
+    "a corrupt sample mid-way": (["evaluate", "{run}", "--data", "user_code:corrupt_late"],
+                                 "rank 0 failed at evaluation, batch 3 of its 4: ValueError: corrupt record 150 ("),
+    "a corrupt sample mid-way, predicting": (["predict", "{run}", "--data", "user_code:corrupt_late", "--output",
+                                              "{tmp}/p.npy"], "rank 0 failed at prediction, batch 3 of its 4"),
 }
+EXIT_1 = ("a corrupt sample mid-way", "a corrupt sample mid-way, predicting")  # the user's code failed mid-run
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -308,7 +315,7 @@ def test_bad_input_after_fit_is_one_line(case, finished_digits, tmp_path, capsys
     with pytest.raises(SystemExit) as stop:
         main(args)
     err = capsys.readouterr().err.strip().splitlines()
-    assert stop.value.code == 2 and len(err) == 1 and expected in err[0], err
+    assert stop.value.code == (1 if case in EXIT_1 else 2) and len(err) == 1 and expected in err[0], err
     assert sorted(str(p) for p in finished_digits.rglob("*")) == before
     assert not list(tmp_path.glob("p.*"))
 

@@ -100,6 +100,21 @@ CASES = {
                                     "config key 'run.checkpoint_every_minutes' must be more than 0"),
     "unknown stop signal": (["--stop-signals", "SIGTERM,SIGFOO"], "'SIGFOO' is not a signal that can be caught"),
     "uncatchable stop signal": (["--stop-signals", "KILL"], "'KILL' is not a signal that can be caught"),
+    "a data set whose first sample fails": (["--data", "user_code:first_sample_fails"],
+                                            "data set 'user_code:first_sample_fails' failed as hvdtrain read its first "
+                                            "sample: KeyError: 'pixels' ("),
+    "samples of different lengths": (["--data", "user_code:ragged"],
+                                     "the first training batch (samples 0 to 63) could not be made: RuntimeError: stack "
+                                     "expects each tensor to be equal size, but got [4] at entry 0 and [5] at entry 1; "
+                                     "samples of different shapes do not stack into a batch: pad sequences with --set "
+                                     "data.collate=pad"),
+    "float64 inputs": (["--data", "user_code:float64_blobs"],
+                       "the batch holds float64 (NumPy's default) where the model's weights are float32: return "
+                       "float32 from your Dataset (x.astype(np.float32)"),
+    "samples that are not tensors": (["--data", "user_code:pictures", "--model", "user_code:bigram_lm"],
+                                     "could not be made: TypeError: default_collate: batch must contain tensors, numpy "
+                                     "arrays, numbers, dicts or lists; found <class 'user_code.Picture'>; return "
+                                     "tensors, arrays or numbers from your Dataset"),
     "a pattern of shards the shell expanded": (["--data", "s/a-0.tar", "s/a-1.tar"],
                                                "a shell expanded a pattern of shards: quote it (--data 'shards/*.tar')"),
 }
@@ -193,6 +208,24 @@ def test_a_data_set_s_failure_is_named_by_its_own_message_and_line_in_a_data_loa
     assert worker_message(raised.value) == "corrupt record 7"
     line = _FailsAtSeven.__getitem__.__code__.co_firstlineno + 2
     assert where(raised.value) == f" ({__file__}:{line} in __getitem__)"
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_batch_that_does_not_stack_mid_run_says_how_to_make_one(workers):
+    """Samples of another shape met mid-run (here in the first batch, read as the loop reads): the
+    failing rank's line says how to batch them, in a data-loader worker or not."""
+    from hvdtrain.engine.local import LocalEngine
+    from hvdtrain.train.failures import located
+    from user_code import ragged
+
+    with pytest.raises(RuntimeError) as raised:
+        list(torch.utils.data.DataLoader(ragged(), batch_size=8, num_workers=workers))
+    line = str(located(raised.value, LocalEngine(torch.device("cpu")), "epoch 1, step 1"))
+    assert line.startswith("rank 0 failed at epoch 1, step 1: RuntimeError: stack expects each tensor to be equal "
+                           "size, but got [4] at entry 0 and [5] at entry 4"), line
+    assert ("; samples of different shapes do not stack into a batch: pad sequences with --set data.collate=pad, or "
+            "make batches with a function of yours (--set data.collate=package.module:function); every rank stops"
+            ) in line
 
 
 def test_debug_shows_the_traceback(capsys):

@@ -263,6 +263,73 @@ def needs_num_classes(input_shape, num_classes):
     return tiny_net(input_shape, num_classes)
 
 
+class _Ragged(_BlobsReshaped):
+    """Inputs of two lengths, and no collate to pad them."""
+    classes = Blobs.classes
+
+    def sample(self, x, y):
+        return x[: 4 + int(y) % 2], y
+
+
+def ragged():
+    return _Ragged()
+
+
+class _Float64(_BlobsReshaped):
+    """Inputs as NumPy makes them by default."""
+    classes = Blobs.classes
+
+    def sample(self, x, y):
+        return x.double().numpy(), y
+
+
+def float64_blobs():
+    return _Float64()
+
+
+class Picture:
+    """Not a tensor, an array or a number: what an image library's image is to PyTorch's collate."""
+
+
+class _Pictures(_BlobsReshaped):
+    classes = Blobs.classes
+
+    def sample(self, x, y):
+        return Picture(), y
+
+
+def pictures():
+    return _Pictures()
+
+
+class _FirstSampleFails(_BlobsReshaped):
+    classes = Blobs.classes
+
+    def sample(self, x, y):
+        return {"image": x}["pixels"], y
+
+
+def first_sample_fails():
+    return _FirstSampleFails()
+
+
+class _CorruptLate(Dataset):
+    """Digits-shaped samples whose record 150 is corrupt: met in the third batch of 64."""
+    classes = list(range(10))
+
+    def __len__(self):
+        return 200
+
+    def __getitem__(self, index):
+        if index == 150:
+            raise ValueError(f"corrupt record {index}")
+        return torch.zeros(1, 8, 8), index % 10
+
+
+def corrupt_late():
+    return _CorruptLate()
+
+
 class CorruptOnRankOne(Blobs):
     """Rank 1 finds a corrupt record partway into the first epoch: the 30th read of this copy, the
     process's or a data-loader worker's (2 workers read about 56 samples each in an epoch of batches of 16)."""

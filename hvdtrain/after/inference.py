@@ -7,8 +7,9 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -17,10 +18,11 @@ from torch.utils.data import Dataset, TensorDataset
 from hvdtrain.data.augment import prepared, prepared_batches
 from hvdtrain.data.batch import to_device
 from hvdtrain.io.atomic import atomic_write
-from hvdtrain.data.loading import batches, collate_function
+from hvdtrain.data.loading import batches, collate_function, first_batch
 from hvdtrain.data.sources import build_part
 from hvdtrain.engine import Engine
 from hvdtrain.errors import UserError
+from hvdtrain.train.failures import located
 from hvdtrain.train.loop import evaluate
 from hvdtrain.numerics.precision import Precision
 from hvdtrain.data.sampler import EvalShardSampler, FixedBatchesByRank
@@ -47,12 +49,13 @@ def evaluate_run(saved: SavedRun, engine: Engine, part: str) -> dict[str, Any]:
     precision = Precision(cfg.train.precision, engine.device)
     with engine.agree("data"):
         dataset, collate = part_of(saved, part)
-        first = first_batch(dataset, cfg.data.batch_size, collate, engine)
+        first = first_of(dataset, cfg.data.batch_size, collate, engine, "evaluation")
         held = dataset.tensors[-1] if isinstance(dataset, TensorDataset) and len(dataset.tensors) > 1 else None
         template = check_first_batch(saved.task, saved.model, first, held, precision, "evaluation").template
     sampler = EvalShardSampler(len(dataset), cfg.data.batch_size, engine.rank, engine.size)  # dist
-    loaded = prepared_batches(batches(dataset, sampler, 0, False, collate), dataset, engine.device)
-    result = evaluate(saved.model, engine, saved.task, loaded, template, precision, cfg.train.channels_last)
+    loaded = Counted(prepared_batches(batches(dataset, sampler, 0, False, collate), dataset, engine.device), len(sampler))
+    with loaded.failures_located(engine, "evaluation"):
+        result = evaluate(saved.model, engine, saved.task, loaded, template, precision, cfg.train.channels_last)
     return {"run_dir": str(saved.run_dir), "checkpoint": str(saved.checkpoint), "epoch": saved.epoch,
             "data": cfg.data.name, "part": part, "samples": result.samples, "world_size": engine.size,
             **result.metrics}
@@ -74,21 +77,51 @@ def predict_run(saved: SavedRun, engine: Engine, part: str, raw: bool) -> list[t
     precision = Precision(cfg.train.precision, engine.device)
     with engine.agree("data"):
         dataset, collate = part_of(saved, part, need_targets=False)
-        first = first_batch(dataset, cfg.data.batch_size, collate, engine)
+        first = first_of(dataset, cfg.data.batch_size, collate, engine, "prediction")
         # dist: data that does not fit the model fails here, on every rank, with one line
         guarded(saved.task, "the model's forward", lambda: _predicted(saved, first, precision, raw), first,
                 "prediction")
     sampler = FixedBatchesByRank(len(dataset), cfg.data.batch_size, engine.rank, engine.size)  # dist
     mine = []
-    loaded = prepared_batches(batches(dataset, sampler, 0, False, collate), dataset, engine.device)
-    for number, batch in zip(sampler.batch_numbers, loaded):
-        batch = to_device(batch, engine.device, cfg.train.channels_last)
-        mine.append((number, _predicted(saved, batch, precision, raw).cpu()))
-    everyone = engine.gather_object(mine, "predictions")  # dist: rank 0 puts them in input order
+    loaded = Counted(prepared_batches(batches(dataset, sampler, 0, False, collate), dataset, engine.device),
+                     len(sampler.batch_numbers))
+    with loaded.failures_located(engine, "prediction"):
+        for number, batch in zip(sampler.batch_numbers, loaded):
+            batch = to_device(batch, engine.device, cfg.train.channels_last)
+            mine.append((number, _predicted(saved, batch, precision, raw).cpu()))
+        everyone = engine.gather_object(mine, "predictions")  # dist: rank 0 puts them in input order
     if everyone is None:
         return None
     files = [dataset.file(i) for i in range(len(dataset))] if hasattr(dataset, "file") else None
     return Predictions([tensor for _, tensor in sorted(pair for rank_part in everyone for pair in rank_part)], files)
+
+
+class Counted:
+    """This rank's batches, counted from when each is asked for: where in them a failure came, as one
+    was made or used."""
+
+    def __init__(self, batches: Iterable[Any], total: int):
+        self.batches, self.total, self.at = batches, total, 0
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = iter(self.batches)
+        while True:
+            self.at += 1
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                self.at -= 1
+                return
+            yield batch
+
+    @contextmanager
+    def failures_located(self, engine: Engine, stage: str) -> Iterator[None]:
+        """A failure of the user's code on this rank becomes its one line (as fit's mid-run failures);
+        a collective that broke off, as another rank failed, is left for the command to say so."""
+        try:
+            yield
+        except Exception as err:
+            raise located(err, engine, f"{stage}, batch {self.at} of its {self.total}")
 
 
 def _predicted(saved: SavedRun, batch: Any, precision: Precision, raw: bool) -> torch.Tensor:
@@ -103,9 +136,8 @@ def _predicted(saved: SavedRun, batch: Any, precision: Precision, raw: bool) -> 
     return found.float() if found.dtype in (torch.float16, torch.bfloat16) else found
 
 
-def first_batch(dataset: Dataset, batch_size: int, collate: Any, engine: Engine) -> Any:
-    size = min(batch_size, len(dataset))  # type: ignore[arg-type]
-    first = next(iter(batches(dataset, [list(range(size))], 0, False, collate)))
+def first_of(dataset: Dataset, batch_size: int, collate: Any, engine: Engine, stage: str) -> Any:
+    first = first_batch(dataset, min(batch_size, len(dataset)), collate, stage)  # type: ignore[arg-type]
     return prepared(dataset, to_device(first, engine.device))
 
 

@@ -12,7 +12,27 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
 from hvdtrain.engine.environment import available_cores
+from hvdtrain.errors import users_code
 from hvdtrain.factory import resolve_factory
+
+
+def first_batch(dataset: Dataset, size: int, collate: Callable[[list[Any]], Any] | None, stage: str) -> Any:
+    """Samples 0 to size - 1 as one batch, read in this process; a failure of the user's Dataset or
+    collate is one line naming it and where in their code (`stage`: training, evaluation, prediction)."""
+    return users_code(f"the first {stage} batch (samples 0 to {size - 1}) could not be made",
+                      lambda: next(iter(batches(dataset, [list(range(size))], 0, False, collate))), batching_hint)
+
+
+def batching_hint(err: BaseException) -> str:
+    """`; what to do` where PyTorch's default collate could not make a batch of the samples; "" otherwise."""
+    text = str(err)
+    if "stack expects each tensor to be equal size" in text:
+        return ("; samples of different shapes do not stack into a batch: pad sequences with --set data.collate=pad, "
+                "or make batches with a function of yours (--set data.collate=package.module:function)")
+    if "default_collate: batch must contain" in text:
+        return ("; return tensors, arrays or numbers from your Dataset (an image: torchvision's PILToTensor, or "
+                "torch.from_numpy(np.asarray(image)))")
+    return ""
 
 
 def data_workers(requested: int, dataset: Dataset, device_type: str, local_size: int) -> tuple[int, int]:

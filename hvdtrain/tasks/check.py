@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hvdtrain.data.batch import batch_size, describe
-from hvdtrain.errors import UserError, message_lines, where
+from hvdtrain.data.batch import batch_size, describe, tensors_in
+from hvdtrain.errors import UserError, users_code
 from hvdtrain.numerics.metrics import MetricSums, is_sum_and_count
 from hvdtrain.numerics.precision import Precision
 from hvdtrain.tasks.base import Task, batch_metrics, model_loss, predictions
@@ -82,17 +82,17 @@ def best_metric(name: str, mode: str, task: Task, reported: list[str]) -> tuple[
 
 def guarded(task: Task, what: str, call: Callable[[], Any], batch: Any, stage: str = "training") -> Any:
     """`call()`, with a failure of the user's code turned into one line about the first batch."""
-    try:
-        return call()
-    except UserError:
-        raise
-    except Exception as err:
+    def described(err: BaseException) -> str:
         hint = ""
         if isinstance(batch, Mapping) and task.target_key not in batch:
             hint = (f"; it has no '{task.target_key}' key (task.target_key): if another key holds the target, "
                     "--set task.target_key=KEY")
-        raise UserError(f"the first {stage} batch failed in {what} (task {task.name}): {type(err).__name__}: "
-                        f"{message_lines(err)}{where(err)}; the batch was {describe(batch)}{hint}") from err
+        elif "double" in str(err).lower() and any(tensor.dtype == torch.float64 for tensor in tensors_in(batch)):
+            hint = ("; the batch holds float64 (NumPy's default) where the model's weights are float32: return "
+                    "float32 from your Dataset (x.astype(np.float32), or torch.as_tensor(x, dtype=torch.float32))")
+        return f"; the batch was {describe(batch)}{hint}"
+
+    return users_code(f"the first {stage} batch failed in {what} (task {task.name})", call, described)
 
 
 def _check_loss(task: Task, loss: Any, whose: str) -> None:

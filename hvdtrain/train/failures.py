@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from hvdtrain.data.loading import batching_hint
 from hvdtrain.engine import Engine, RankFailed
 from hvdtrain.errors import (ANOTHER_RANK_FAILED, AnotherRankFailed, FailedAt, StoppedBySignal, UserError,
                              message_lines, note_where_the_job_stood, where, worker_traceback)
@@ -56,8 +57,8 @@ def located(err: Exception, engine: Engine, position: str, newest: Path | None =
         located.exit_code = UserError.exit_code  # type: ignore[attr-defined]
     else:
         resume = _resume_from(newest if engine.is_root else None)
-        located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message}{where(err)}; "
-                           f"every rank stops (--debug shows the traceback){resume}")
+        located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message}{where(err)}"
+                           f"{batching_hint(err)}; every rank stops (--debug shows the traceback){resume}")
     located.__cause__ = err
     return located
 

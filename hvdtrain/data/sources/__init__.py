@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, Callable
 
 from torch.utils.data import Dataset
 
@@ -25,7 +26,7 @@ from hvdtrain.data.sources.npz import NpzFile
 from hvdtrain.data.sources.tar_shards import TarShards
 from hvdtrain.data.sources.tokens import TokenFile
 from hvdtrain.data.sources.user import UserFactory
-from hvdtrain.errors import UserError
+from hvdtrain.errors import UserError, users_code
 from hvdtrain.factory import colon_hint
 
 __all__ = ["BUILT_IN", "PARTS", "SOURCES", "DataSplit", "Source", "build_data", "build_part", "located", "source_of"]
@@ -50,7 +51,7 @@ NOT_FILES = (UserFactory, Digits, RandomTeacher)
 
 def build_data(cfg: DataConfig, seed: int, target_key: str = "labels") -> DataSplit:
     """The train and validation sets the config names; the same on every rank."""
-    split = source_of(cfg.name).split(cfg, seed, target_key)
+    split = _reading(cfg.name, lambda source: source.split(cfg, seed, target_key))
     if cfg.num_classes is not None:  # the user's word wins over what the data suggests
         split.num_classes = cfg.num_classes
     return split
@@ -64,7 +65,14 @@ def build_part(cfg: DataConfig, seed: int, target_key: str, part: str, need_targ
         raise UserError(f"unknown data part '{part}': use one of {', '.join(PARTS)}")
     if part != "all":
         return getattr(build_data(cfg, seed, target_key), part)
-    return source_of(cfg.name).whole(cfg, seed, need_targets)
+    return _reading(cfg.name, lambda source: source.whole(cfg, seed, need_targets))
+
+
+def _reading(name: str, call: Callable[[Source], Any]) -> Any:
+    """`call(source)` for the source of `name`: a failure of the user's Dataset as the source reads its
+    first sample (to learn its shapes) is one line naming it and where in their code."""
+    source = source_of(name)
+    return users_code(f"data set '{name}' failed as hvdtrain read its first sample", lambda: call(source))
 
 
 def located(name: str) -> str:
