@@ -14,6 +14,7 @@ reach its signal handling before anything heavy (hvdtrain.cli).
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Config", "LaunchFailed", "UserError", "__version__", "evaluate", "export", "fit", "launch", "predict"]
 __version__ = "0.1.0"
+PARENT_AT_START = os.getppid()
+"""This process's parent as it started: torchrun's agent, for a worker (engine/parent_death.py)."""
 
 _HOMES = {"evaluate": "hvdtrain.api", "export": "hvdtrain.api", "fit": "hvdtrain.api", "predict": "hvdtrain.api",
           "Config": "hvdtrain.config", "UserError": "hvdtrain.errors", "LaunchFailed": "hvdtrain.local_launch",

@@ -382,14 +382,18 @@ def test_ctrl_c_in_a_terminal_stops_every_rank_with_a_checkpoint_however_long_it
     assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
 
 
-def test_the_horovodrun_entry_killed_ends_mpirun_and_every_rank(tmp_path):
-    """mpirun runs in a process group of its own (Ctrl-C is the entry's to pass on), so `kill -9 %1` or
-    `timeout -k` reaches the entry alone: mpirun, told of its parent's death, ends the ranks."""
+@pytest.mark.parametrize("launcher", ["horovodrun-mpi", "torchrun"])
+def test_the_launcher_killed_ends_every_rank(launcher, tmp_path):
+    """`kill -9` of the launcher (or `timeout -k`, or the out-of-memory killer) ends the job. horovodrun:
+    mpirun runs in a process group of its own (Ctrl-C is the entry's to pass on), so the kill reaches the
+    entry alone; mpirun, told of its parent's death, ends the ranks. torchrun: its workers, the agent's
+    children, trained on as orphans (each printing a C++ traceback every 2 s as it published to the store
+    the agent hosted); each now gets SIGTERM as the agent dies, and they stop with a checkpoint."""
     run_dir = tmp_path / "run"
     env = {**launch_env(), "HVDTRAIN_TEST_SIGNAL": "", "HVDTRAIN_TEST_DROPOUT": "0.2"}
     log = tmp_path / "log"
     with log.open("w") as out:
-        job = subprocess.Popen([*LAUNCHERS["horovodrun-mpi"], "hvdtrain", "fit", *ARGS, "--epochs", "5000", "--run-dir",
+        job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *ARGS, "--epochs", "5000", "--run-dir",
                                 str(run_dir)], env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while not (run_dir / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
@@ -398,8 +402,13 @@ def test_the_horovodrun_entry_killed_ends_mpirun_and_every_rank(tmp_path):
     job.wait()
     left = _processes_of(run_dir, within=30)
     _kill(left)
-    assert (run_dir / "checkpoints" / "last.pt").exists(), log.read_text()[-3000:]
+    output = log.read_text()
+    assert (run_dir / "checkpoints" / "last.pt").exists(), output[-3000:]
     assert not left, [p.pid for p in left]
+    if launcher == "torchrun":
+        assert re.search(r"hvdtrain: stopped by SIGTERM at (the end of )?epoch \d+, step \d+: checkpoint written",
+                         output), output[-3000:]
+        assert "Traceback" not in output and "sendBytes" not in output, output[-3000:]
 
 
 def test_a_pod_s_command_that_outlives_its_ranks_gets_the_signal_after_they_stopped(tmp_path):

@@ -29,6 +29,7 @@ from hvdtrain.engine.base import GradientSync
 from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.engine.buckets import BucketHooks, buckets, grads_with_flags, write_back
 from hvdtrain.engine.environment import launcher_facts, port_for_job, slurm_first_node
+from hvdtrain.engine.parent_death import end_with_the_agent
 from hvdtrain.errors import RendezvousFailed, UserError, message_lines
 from hvdtrain.engine.activity import SET_UP_SECONDS, Activity
 from hvdtrain.engine.watchdog import Board, StallWatchdog
@@ -84,6 +85,7 @@ class TorchEngine(WatchedEngine):
 
     @classmethod
     def start(cls, device: torch.device, stall_timeout: int = 300) -> "TorchEngine":
+        end_with_the_agent()
         facts = _required_facts()
         rank, size, local_rank, local_size = facts
         init_method = _init_method(local_size == size)
@@ -210,9 +212,17 @@ class _StoreBoard:
 
     def __init__(self, store: dist.Store):
         self.store = dist.PrefixStore("hvdtrain-activity/", store)
+        self.gone = False
+        """The store's host (rank 0, or torchrun's agent) is gone: its client never connects again, and
+        each try printed a C++ traceback."""
 
     def publish(self, rank: int, activity: Activity) -> None:
-        self.store.set(str(rank), activity.to_json())
+        if self.gone:
+            return
+        try:
+            self.store.set(str(rank), activity.to_json())
+        except RuntimeError:
+            self.gone = True
 
     def read(self, rank: int) -> Activity | None:
         try:
