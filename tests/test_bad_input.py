@@ -101,8 +101,8 @@ CASES = {
     "unknown stop signal": (["--stop-signals", "SIGTERM,SIGFOO"], "'SIGFOO' is not a signal that can be caught"),
     "uncatchable stop signal": (["--stop-signals", "KILL"], "'KILL' is not a signal that can be caught"),
     "a data set whose first sample fails": (["--data", "user_code:first_sample_fails"],
-                                            "data set 'user_code:first_sample_fails' failed as hvdtrain read its first "
-                                            "sample: KeyError: 'pixels' ("),
+                                            "data set 'user_code:first_sample_fails' could not be read: KeyError: "
+                                            "'pixels' (/"),
     "samples of different lengths": (["--data", "user_code:ragged"],
                                      "the first training batch (samples 0 to 63) could not be made: RuntimeError: stack "
                                      "expects each tensor to be equal size, but got [4] at entry 0 and [5] at entry 1; "

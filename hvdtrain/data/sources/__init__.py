@@ -69,10 +69,11 @@ def build_part(cfg: DataConfig, seed: int, target_key: str, part: str, need_targ
 
 
 def _reading(name: str, call: Callable[[Source], Any]) -> Any:
-    """`call(source)` for the source of `name`: a failure of the user's Dataset as the source reads its
-    first sample (to learn its shapes) is one line naming it and where in their code."""
+    """`call(source)` for the source of `name`: a failure as the source opens the data (a user's Dataset
+    asked for its first sample, to learn its shapes; a file that cannot be read) is one line naming it,
+    and where in the user's code."""
     source = source_of(name)
-    return users_code(f"data set '{name}' failed as hvdtrain read its first sample", lambda: call(source))
+    return users_code(f"data set '{name}' could not be read", lambda: call(source))
 
 
 def located(name: str) -> str:
