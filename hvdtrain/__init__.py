@@ -28,6 +28,14 @@ __version__ = "0.1.0"
 PARENT_AT_START = os.getppid()
 """This process's parent as it started: torchrun's agent, for a worker (engine/parent_death.py)."""
 
+
+def _forked() -> None:
+    global PARENT_AT_START
+    PARENT_AT_START = os.getppid()  # a forked child's parent is the process it was forked from
+
+
+os.register_at_fork(after_in_child=_forked)
+
 _HOMES = {"evaluate": "hvdtrain.api", "export": "hvdtrain.api", "fit": "hvdtrain.api", "predict": "hvdtrain.api",
           "Config": "hvdtrain.config", "UserError": "hvdtrain.errors", "LaunchFailed": "hvdtrain.local_launch",
           "launch": "hvdtrain.local_launch"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 from typing import Any, Callable, Mapping, Sequence
 
@@ -19,16 +20,17 @@ def is_factory_path(text: str) -> bool:
     return bool(sep and module and function)
 
 
-FILE_SUFFIXES = ("py", "csv", "tsv", "txt", "json", "jsonl", "parquet", "npy", "npz", "bin", "tar", "h5", "pt")
-"""Endings that make a dotted name a file's rather than a module's function."""
-
-
 def colon_hint(name: str) -> str:
-    """For `package.module.function` where `package.module:function` was meant: the name to give instead."""
+    """For `package.module.function` where `package.module:function` was meant (its top package can be
+    imported): the name to give instead."""
     parts = name.split(".")
-    if ":" in name or len(parts) < 2 or not all(part.isidentifier() for part in parts) or parts[-1] in FILE_SUFFIXES:
+    if ":" in name or len(parts) < 2 or not all(part.isidentifier() for part in parts):
         return ""
-    return f" (a module's function is named with a colon: '{'.'.join(parts[:-1])}:{parts[-1]}')"
+    try:
+        found = importlib.util.find_spec(parts[0]) is not None  # a top-level name: nothing is imported
+    except (ImportError, ValueError):
+        found = False
+    return f" (a module's function is named with a colon: '{'.'.join(parts[:-1])}:{parts[-1]}')" if found else ""
 
 
 def resolve_factory(path: str, what: str, require_callable: bool = True) -> Callable[..., Any]:

@@ -16,7 +16,7 @@ from conftest import HOROVOD_AND_TORCH, assert_ok, epoch_records, fit_under, req
 from factory_signatures import ResNetLike, TinyConv
 from hvdtrain import UserError
 from hvdtrain.cli import main
-from hvdtrain.config import Config, ModelConfig, TaskConfig, describe
+from hvdtrain.config import Config, ModelConfig, TaskConfig, describe, settings_config
 from hvdtrain.models import build_model
 from hvdtrain.tasks import build_task
 
@@ -98,8 +98,10 @@ def test_set_data_args_reach_a_dataset_class_and_stay_in_the_run_s_config(tmp_pa
     ({"optim.name": "torch.optim.AdamW"}, "config key 'optim.name' must be sgd, adamw or package.module:function, got "
                                           "'torch.optim.AdamW' (a module's function is named with a colon: "
                                           "'torch.optim:AdamW')"),
-    ({"data.collate": "mytask.pad"}, "config key 'data.collate' must be pad or package.module:function, got "
-                                     "'mytask.pad' (a module's function is named with a colon: 'mytask:pad')"),
+    ({"data.collate": "user_code.pad"}, "config key 'data.collate' must be pad or package.module:function, got "
+                                        "'user_code.pad' (a module's function is named with a colon: 'user_code:pad')"),
+    ({"data.collate": "batches.pkl"}, "config key 'data.collate' must be pad or package.module:function, got "
+                                      "'batches.pkl'"),  # no module `batches`: no hint
     ({"optim.name": "adamw", "optim.momentum": 0.5}, "config key 'optim.momentum' is sgd's, and optim.name is 'adamw': "
                                                      "for AdamW's betas use --optimizer torch.optim:AdamW --set "
                                                      "'optim.args.betas=[0.9, 0.95]'"),
@@ -109,8 +111,14 @@ def test_set_data_args_reach_a_dataset_class_and_stay_in_the_run_s_config(tmp_pa
 ])
 def test_a_name_in_the_wrong_form_or_a_key_that_would_change_nothing_is_one_line(overrides, message):
     with pytest.raises(UserError) as raised:
-        Config.from_dict({}, overrides)
+        settings_config(None, overrides, {})
     assert str(raised.value) == message
+
+
+def test_a_saved_run_with_a_key_that_changed_nothing_still_loads():
+    """evaluate and predict take a run's saved config as it was, before such keys were refused."""
+    config = Config.from_dict({"optim": {"name": "adamw", "momentum": 0.5}})
+    assert config.optim.momentum == 0.5
 
 
 @pytest.mark.parametrize("name, message", [

@@ -46,6 +46,35 @@ def test_a_held_signal_repeated_later_ends_the_process_as_its_default_would():
     assert done.returncode == -signal.SIGUSR1 and done.stdout == "same delivery\n", done
 
 
+def test_the_sigterm_of_torchrun_s_agent_dying_during_a_stop_does_not_insist():
+    """A stop under way (here SIGUSR1's) when torchrun's agent dies: the SIGTERM of its death is no
+    second signal from a user, which would end the worker in the stop's checkpoint. A worker's own
+    parent, here this test, stands in for the agent."""
+    done = subprocess.run([sys.executable, "-c", (
+        "import os, signal, time\n"
+        "import hvdtrain\n"
+        "from hvdtrain.train.stop_policy import StopSignals\n"
+        "with StopSignals('SIGTERM,SIGUSR1') as signals:\n"
+        "    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.01)\n"
+        "    hvdtrain.PARENT_AT_START = -1  # as after the agent died\n"
+        "    os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
+        "    print('still stopping', signals.received == signal.SIGUSR1, flush=True)\n")],
+        env={**os.environ, "TORCHELASTIC_RUN_ID": "test"}, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "still stopping True\n", done
+
+
+def test_a_process_forked_from_a_torchrun_worker_has_its_own_parent(monkeypatch):
+    """A script that imported hvdtrain and forks (multiprocessing's default on Linux) runs fit in a child
+    whose parent is the worker, not the agent: that is no agent's death."""
+    from hvdtrain.engine.parent_death import agent_gone
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    child = os.fork()
+    if child == 0:
+        os._exit(1 if agent_gone() else 0)
+    assert os.waitpid(child, 0)[1] == 0
+
+
 def test_a_rank_stopping_on_another_rank_s_signal_survives_its_own_copy_coming_late():
     """Every rank stops at one step when any rank got the signal; torchrun's agent passes the signal to one
     worker after another, so a rank may get its copy after it left training. It stops as it was going to."""

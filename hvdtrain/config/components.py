@@ -180,7 +180,15 @@ class OptimConfig:
             require(self.lr_batch > 0, "optim.lr_batch", f"must be positive, got {self.lr_batch}")
         require(0 <= self.momentum < 1, "optim.momentum", f"must be in [0, 1), got {self.momentum}")
         require(self.weight_decay >= 0, "optim.weight_decay", f"must be 0 or more, got {self.weight_decay}")
-        # Keys that would change nothing are refused rather than ignored (defaults pass).
+        require(self.warmup_epochs >= 0, "optim.warmup_epochs", f"must be 0 or more, got {self.warmup_epochs}")
+        require(self.step_every_epochs > 0, "optim.step_every_epochs", f"must be positive, got {self.step_every_epochs}")
+        require(0 < self.step_gamma <= 1, "optim.step_gamma", f"must be in (0, 1], got {self.step_gamma}")
+        if self.clip_grad_norm is not None:
+            require(self.clip_grad_norm > 0, "optim.clip_grad_norm", f"must be positive, got {self.clip_grad_norm}")
+
+    def refuse_keys_that_change_nothing(self) -> None:
+        """For fit: a key this optimizer does not read is refused rather than ignored (defaults pass). Not
+        on loading a run's saved config, which evaluate and predict take as it was."""
         require(self.name == "sgd" or self.momentum == OptimConfig.momentum, "optim.momentum",
                 f"is sgd's, and optim.name is '{self.name}'"
                 + (": for AdamW's betas use --optimizer torch.optim:AdamW --set 'optim.args.betas=[0.9, 0.95]'"
@@ -188,11 +196,6 @@ class OptimConfig:
         require(self.name in BUILT_IN_OPTIMIZERS or self.weight_decay == OptimConfig.weight_decay, "optim.weight_decay",
                 f"is for sgd and adamw, and optim.name is '{self.name}': give your optimizer's own in optim.args "
                 "(--set optim.args.weight_decay=...)")
-        require(self.warmup_epochs >= 0, "optim.warmup_epochs", f"must be 0 or more, got {self.warmup_epochs}")
-        require(self.step_every_epochs > 0, "optim.step_every_epochs", f"must be positive, got {self.step_every_epochs}")
-        require(0 < self.step_gamma <= 1, "optim.step_gamma", f"must be in (0, 1], got {self.step_gamma}")
-        if self.clip_grad_norm is not None:
-            require(self.clip_grad_norm > 0, "optim.clip_grad_norm", f"must be positive, got {self.clip_grad_norm}")
 
 
 def _args_need_a_factory(args: Dict[str, Any], name: str, section: str) -> None:

@@ -58,8 +58,9 @@ FIT = (
     FitSetting("batch_size", "data.batch_size", "Per process. dist: global batch = this x world size."),
     FitSetting("lr", "optim.lr", "For one process's batch (optim.lr_batch); scaled by the global batch unless "
                                  "--no-scale-lr."),
-    FitSetting("optimizer", "optim.name", "sgd, adamw, or your own factory (given the model and lr, returning an "
-                                          "optimizer).", metavar="sgd|adamw|MODULE:FUNCTION"),
+    FitSetting("optimizer", "optim.name", "sgd, adamw, or your own factory (given the model, its params and lr, "
+                                          "returning an optimizer): a torch.optim class is one, torch.optim:Adam.",
+               metavar="sgd|adamw|MODULE:FUNCTION"),
     FitSetting("scale_lr", "optim.scale_lr", "Scale lr by the global batch (default on)."),
     FitSetting("warmup_epochs", "optim.warmup_epochs", "Linear lr warmup length."),
     FitSetting("schedule", "optim.schedule", "Learning-rate schedule after the warm-up (default constant)."),
@@ -133,4 +134,6 @@ def settings_config(path: str | Path | None, overrides: dict[str, Any], settings
             overrides[setting.key] = value
     if engine is not None:
         overrides["train.engine"] = engine
-    return load_config(path, overrides)
+    config = load_config(path, overrides)
+    config.optim.refuse_keys_that_change_nothing()
+    return config

@@ -15,7 +15,7 @@ import ctypes
 import os
 import signal
 
-from hvdtrain import PARENT_AT_START
+import hvdtrain
 from hvdtrain.engine.environment import torchrun_launched
 
 PR_SET_PDEATHSIG = 1
@@ -28,6 +28,11 @@ def end_with_the_agent() -> bool:
     if not torchrun_launched() or prctl is None:
         return False
     prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != PARENT_AT_START:  # it died before the line above: no signal would come
+    if agent_gone():  # it died before the line above: no signal would come
         os.kill(os.getpid(), signal.SIGTERM)
     return True
+
+
+def agent_gone() -> bool:
+    """Under torchrun: this worker's agent has died (its parent changed since it started)."""
+    return torchrun_launched() and os.getppid() != hvdtrain.PARENT_AT_START

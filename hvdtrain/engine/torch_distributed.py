@@ -221,10 +221,12 @@ class _StoreBoard:
             return
         try:
             self.store.set(str(rank), activity.to_json())
-        except RuntimeError:
+        except dist.DistNetworkError:  # its connection broke (a timeout passes: the next pass tries again)
             self.gone = True
 
     def read(self, rank: int) -> Activity | None:
+        if self.gone:
+            return None
         try:
             if not self.store.check([str(rank)]):  # never published: get would wait for it
                 return None

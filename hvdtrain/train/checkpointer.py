@@ -6,6 +6,7 @@ run resumes. The files themselves are `hvdtrain.io.checkpoint`'s.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from pathlib import Path
@@ -249,8 +250,12 @@ def _settings_changed(written: dict[str, Any], config: Config) -> str:
     changed = []
     for key in SHAPING_KEYS:
         section, _, name = key.partition(".")
-        before, after = written.get(section, {}).get(name), now[section][name]
-        if section in written and before != after:
+        if name not in written.get(section, {}):  # a key the checkpoint's hvdtrain did not have
+            continue
+        before, after = written[section][name], now[section][name]
+        if key == "data.name" and isinstance(before, str) and str(after).endswith(os.sep + before):
+            continue  # kept relative before runs kept their data's path absolute
+        if before != after:
             changed.append(f"{key} was {before!r}, now {after!r}")
     return f" ({'; '.join(changed)})" if changed else ""
 

@@ -20,6 +20,7 @@ import torch
 from hvdtrain.config import RunConfig
 from hvdtrain.config.schema import signal_numbers
 from hvdtrain.engine import Engine
+from hvdtrain.engine.parent_death import agent_gone
 from hvdtrain.errors import StoppedBySignal
 from hvdtrain.train import early_signals
 from hvdtrain.train.callbacks import Callbacks, StoppedEarly
@@ -88,6 +89,8 @@ class StopSignals:
             return
         if self.received is not None:
             if number == self.received and now - self._received_at < self.SAME_DELIVERY_SECONDS:
+                return
+            if number == signal.SIGTERM and agent_gone():  # torchrun's agent died: its word, not a user's
                 return
             # Insisting: die as this signal would; in a process that goes on, its own handler takes it.
             signal.signal(number, signal.SIG_DFL if early_signals.in_the_command() else

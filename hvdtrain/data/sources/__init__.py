@@ -80,11 +80,14 @@ def located(name: str) -> str:
     """`name` as the run keeps it: a file or directory that exists (or a pattern of tar shards) as an
     absolute path, `~` expanded, so that evaluate, predict and a resume find it from any directory;
     other names as they are (a missing file's error names it as given)."""
-    if isinstance(_claimant(name), NOT_FILES):
-        return name
-    path = os.path.abspath(os.path.expanduser(name))
-    exists = os.path.exists(path) or any(mark in name for mark in "{*")
-    return path if exists and _claimant(path) is not None else name
+    expanded = os.path.expanduser(name)
+    if isinstance(_claimant(name), NOT_FILES) or os.path.isabs(expanded) or expanded.startswith("{"):
+        return name if expanded.startswith("{") else expanded  # a brace's choices may be absolute paths each
+    if any(mark in expanded for mark in "{*?["):  # a pattern: joined as it is (normalising could fold a
+        path = os.path.join(os.getcwd(), expanded)  # `..` after a brace into it)
+    else:
+        path = os.path.abspath(expanded) if os.path.exists(expanded) else None
+    return path if path is not None and _claimant(path) is not None else name
 
 
 def _claimant(name: str) -> Source | None:
