@@ -138,7 +138,8 @@ def export(run_dir: str | Path, *, format: str = "safetensors", output: str | Pa
     """The model as `hvdtrain export` writes it (safetensors, torchscript, pt2 or onnx), checked by
     loading it back on a batch of the data; rank 0 writes and gets the path, the others None."""
     from hvdtrain.after import export as exporting
-    from hvdtrain.after.inference import first_of, part_of
+    from hvdtrain.after.inference import part_of
+    from hvdtrain.data.loading import first_batch
 
     if format not in exporting.FORMATS:
         raise UserError(f"format must be one of {', '.join(exporting.FORMATS)}, got '{format}'")
@@ -148,7 +149,7 @@ def export(run_dir: str | Path, *, format: str = "safetensors", output: str | Pa
             if not engine.is_root:
                 return None
             dataset, collate = part_of(saved, default_part(None, data is not None), need_targets=False)
-            batch = first_of(dataset, saved.config.data.batch_size, collate, engine, "export")
+            batch = first_batch(dataset, saved.config.data.batch_size, collate, "export", engine.device)
             path = Path(output) if output else exporting.default_path(saved, format)
             return exporting.export(saved, format, path, batch).path
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from hvdtrain.data.augment import prepared, prepared_batches
+from hvdtrain.data.augment import prepared_batches
 from hvdtrain.data.batch import to_device
 from hvdtrain.io.atomic import atomic_write
 from hvdtrain.data.loading import batches, collate_function, first_batch
@@ -49,7 +49,7 @@ def evaluate_run(saved: SavedRun, engine: Engine, part: str) -> dict[str, Any]:
     precision = Precision(cfg.train.precision, engine.device)
     with engine.agree("data"):
         dataset, collate = part_of(saved, part)
-        first = first_of(dataset, cfg.data.batch_size, collate, engine, "evaluation")
+        first = first_batch(dataset, cfg.data.batch_size, collate, "evaluation", engine.device)
         held = dataset.tensors[-1] if isinstance(dataset, TensorDataset) and len(dataset.tensors) > 1 else None
         template = check_first_batch(saved.task, saved.model, first, held, precision, "evaluation").template
     sampler = EvalShardSampler(len(dataset), cfg.data.batch_size, engine.rank, engine.size)  # dist
@@ -77,7 +77,7 @@ def predict_run(saved: SavedRun, engine: Engine, part: str, raw: bool) -> list[t
     precision = Precision(cfg.train.precision, engine.device)
     with engine.agree("data"):
         dataset, collate = part_of(saved, part, need_targets=False)
-        first = first_of(dataset, cfg.data.batch_size, collate, engine, "prediction")
+        first = first_batch(dataset, cfg.data.batch_size, collate, "prediction", engine.device)
         # dist: data that does not fit the model fails here, on every rank, with one line
         guarded(saved.task, "the model's forward", lambda: _predicted(saved, first, precision, raw), first,
                 "prediction")
@@ -134,11 +134,6 @@ def _predicted(saved: SavedRun, batch: Any, precision: Precision, raw: bool) -> 
                         "returns only its loss has none): return the outputs too, e.g. a dict with 'loss' and "
                         "'logits'")
     return found.float() if found.dtype in (torch.float16, torch.bfloat16) else found
-
-
-def first_of(dataset: Dataset, batch_size: int, collate: Any, engine: Engine, stage: str) -> Any:
-    first = first_batch(dataset, min(batch_size, len(dataset)), collate, stage)  # type: ignore[arg-type]
-    return prepared(dataset, to_device(first, engine.device))
 
 
 def check_prediction_path(path: str) -> Path:

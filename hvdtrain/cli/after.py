@@ -102,7 +102,8 @@ def export_model(run_dir: str, checkpoint: str, data: str | None, part: str | No
                  assignments: Sequence[str], device: str, debug: bool, fmt: str, output: str | None) -> None:
     """The model as safetensors, TorchScript, a torch.export program or ONNX, checked by loading it back."""
     from hvdtrain.after import export
-    from hvdtrain.after.inference import first_of, part_of
+    from hvdtrain.after.inference import part_of
+    from hvdtrain.data.loading import first_batch
     from hvdtrain.after.saved_run import open_run
 
     overrides = _run_overrides(data, batch_size, device, assignments)
@@ -113,7 +114,7 @@ def export_model(run_dir: str, checkpoint: str, data: str | None, part: str | No
         with engine.agree("export"):  # dist: rank 0 writes; a failure there stops every rank
             if engine.is_root:
                 dataset, collate = part_of(saved, part, need_targets=False)
-                batch = first_of(dataset, saved.config.data.batch_size, collate, engine, "export")
+                batch = first_batch(dataset, saved.config.data.batch_size, collate, "export", engine.device)
                 path = Path(output) if output else export.default_path(saved, fmt)
                 done = export.export(saved, fmt, path, batch)
                 click.echo(f"hvdtrain: exported {saved.checkpoint} (epoch {saved.epoch}) as {fmt} to {done.path}; "

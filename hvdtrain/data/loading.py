@@ -11,16 +11,22 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
+from hvdtrain.data.augment import prepared
+from hvdtrain.data.batch import to_device
 from hvdtrain.engine.environment import available_cores
 from hvdtrain.errors import users_code
 from hvdtrain.factory import resolve_factory
 
 
-def first_batch(dataset: Dataset, size: int, collate: Callable[[list[Any]], Any] | None, stage: str) -> Any:
-    """Samples 0 to size - 1 as one batch, read in this process; a failure of the user's Dataset or
-    collate is one line naming it and where in their code (`stage`: training, evaluation, prediction)."""
-    return users_code(f"the first {stage} batch (samples 0 to {size - 1}) could not be made",
-                      lambda: next(iter(batches(dataset, [list(range(size))], 0, False, collate))), batching_hint)
+def first_batch(dataset: Dataset, batch_size: int, collate: Callable[[list[Any]], Any] | None, stage: str,
+                device: torch.device, channels_last: bool = False) -> Any:
+    """The first batch of `dataset`, read in this process and made what the model sees on `device`; a
+    failure of the user's Dataset or collate is one line naming it and where in their code (`stage`:
+    training, evaluation, prediction, export)."""
+    size = min(batch_size, len(dataset))  # type: ignore[arg-type]
+    batch = users_code(f"the first {stage} batch (samples 0 to {size - 1}) could not be made",
+                       lambda: next(iter(batches(dataset, [list(range(size))], 0, False, collate))), batching_hint)
+    return prepared(dataset, to_device(batch, device, channels_last))
 
 
 def batching_hint(err: BaseException) -> str:

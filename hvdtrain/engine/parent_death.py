@@ -21,16 +21,15 @@ from hvdtrain.engine.environment import torchrun_launched
 PR_SET_PDEATHSIG = 1
 
 
-def end_with_the_agent() -> bool:
+def end_with_the_agent() -> None:
     """Under torchrun on Linux: SIGTERM to this process once its agent has died (at once if it died
-    already). Returns whether that is arranged."""
+    already)."""
     prctl = getattr(ctypes.CDLL(None), "prctl", None)
     if not torchrun_launched() or prctl is None:
-        return False
+        return
     prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if agent_gone():  # it died before the line above: no signal would come
         os.kill(os.getpid(), signal.SIGTERM)
-    return True
 
 
 def agent_gone() -> bool:

@@ -15,8 +15,7 @@ from torch.utils.data import Dataset
 from hvdtrain.config import Config
 from hvdtrain.config.schema import signal_numbers
 from hvdtrain.data import mapped
-from hvdtrain.data.augment import prepared, prepared_batches
-from hvdtrain.data.batch import to_device
+from hvdtrain.data.augment import prepared_batches
 from hvdtrain.data.loading import batches, collate_function, data_workers, end_workers, first_batch
 from hvdtrain.data.sampler import EvalShardSampler, TrainingSampler
 from hvdtrain.data.stream_sampler import training_sampler
@@ -125,9 +124,8 @@ def check_task(run: Run, config: Config, engine: Engine) -> tuple[FirstBatch, tu
     """The task and model on one batch before training (no collectives): labels that the model
     cannot score, a loss that is not a finite scalar, metrics that are not sums and counts. Returns
     what the batch showed, and the best checkpoint's metric (its record key, whether higher is better)."""
-    size = min(config.data.batch_size, len(run.split.train))
-    batch = first_batch(run.split.train, size, run.collate, "training")
-    batch = prepared(run.split.train, to_device(batch, engine.device, config.train.channels_last))
+    batch = first_batch(run.split.train, config.data.batch_size, run.collate, "training", engine.device,
+                        config.train.channels_last)
     first = check_first_batch(run.task, run.model, batch, run.split.held_targets, run.precision)
     return first, best_metric(config.run.best_metric, config.run.best_mode, run.task, first.reported)
 

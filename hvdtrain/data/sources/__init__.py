@@ -80,14 +80,18 @@ def located(name: str) -> str:
     """`name` as the run keeps it: a file or directory that exists (or a pattern of tar shards) as an
     absolute path, `~` expanded, so that evaluate, predict and a resume find it from any directory;
     other names as they are (a missing file's error names it as given)."""
+    if isinstance(_claimant(name), NOT_FILES) or name.startswith("{"):  # a brace's choices may be absolute each
+        return name
     expanded = os.path.expanduser(name)
-    if isinstance(_claimant(name), NOT_FILES) or os.path.isabs(expanded) or expanded.startswith("{"):
-        return name if expanded.startswith("{") else expanded  # a brace's choices may be absolute paths each
+    if os.path.isabs(expanded):
+        return expanded
     if any(mark in expanded for mark in "{*?["):  # a pattern: joined as it is (normalising could fold a
         path = os.path.join(os.getcwd(), expanded)  # `..` after a brace into it)
+    elif os.path.exists(expanded):
+        path = os.path.abspath(expanded)
     else:
-        path = os.path.abspath(expanded) if os.path.exists(expanded) else None
-    return path if path is not None and _claimant(path) is not None else name
+        return name
+    return path if _claimant(path) is not None else name
 
 
 def _claimant(name: str) -> Source | None:
