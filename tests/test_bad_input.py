@@ -145,6 +145,15 @@ def test_existing_run_directory_is_not_clobbered(existing_run, capsys):
     assert snapshot(existing_run) == before
 
 
+def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--engine", "local", "--progress", "off", "--run-dir", str(tmp_path / "a-file" / "run")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert f"hvdtrain: error: could not make the directory {tmp_path}/a-file/run: Not a directory" in err
+
+
 def test_resume_without_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--engine", "local", "--run-dir", str(tmp_path), "--resume"])

@@ -1,6 +1,9 @@
 """Checkpoints survive crashes: atomic writes, a sha256 manifest, last K and best kept."""
 
+import errno
+import io
 import json
+import os
 import subprocess
 import sys
 
@@ -10,6 +13,10 @@ import torch
 from conftest import ROOT, assert_ok, epoch_records, launch_env
 from hvdtrain.io.checkpoint import CheckpointStore, sha256_of
 from hvdtrain.cli import main
+from hvdtrain.errors import UserError
+from hvdtrain.io.atomic import WriteFailed, atomic_write
+from hvdtrain.io.run_dir import RunFiles
+from hvdtrain.train.checkpointer import _Writer
 
 
 def _state(epoch):
@@ -28,6 +35,54 @@ def test_keeps_the_last_k_and_the_best(tmp_path):
         assert entry["sha256"] == sha256_of(store.dir / entry["file"])
     assert torch.load(store.dir / "best.pt", weights_only=True)["epoch"] == 2
     assert torch.load(store.dir / "last.pt", weights_only=True)["epoch"] == 5
+
+
+class _FullDisk(io.RawIOBase):
+    """A file on a file system that fills up after the first kilobyte."""
+
+    written = 0
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        self.written += len(data)
+        if self.written > 1024:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return len(data)
+
+
+def test_a_checkpoint_cut_short_by_a_full_disk_says_so(tmp_path):
+    """torch.save hides the write's ENOSPC behind `unexpected pos`: the line names the full disk instead."""
+    with pytest.raises(RuntimeError) as saved:
+        torch.save({"model": {"w": torch.zeros(1000)}}, _FullDisk())
+    store = CheckpointStore(tmp_path)
+    store.dir.mkdir()
+    with pytest.raises(UserError) as failure:
+        _Writer.failed(store, saved.value)
+    assert "no space left on the device or over a quota (" in str(failure.value)
+    assert "free there)" in str(failure.value) and "unexpected pos" not in str(failure.value)
+
+
+def test_a_write_that_fills_the_disk_is_one_line_and_leaves_the_old_file(tmp_path):
+    target = tmp_path / "summary.json"
+    target.write_text("old")
+
+    def full(handle):
+        handle.write(b"x" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(WriteFailed, match=r"could not write .*summary.json: No space left on device \(.* free there\)"):
+        atomic_write(target, full)
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+    with pytest.raises(WriteFailed, match="could not make the directory .*summary.json/sub: Not a directory"):
+        atomic_write(target / "sub" / "file", full)
+
+
+def test_a_metrics_line_on_a_full_disk_is_one_line(tmp_path):
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write to it fails with ENOSPC
+    with pytest.raises(WriteFailed, match="could not write .*metrics.jsonl: No space left on device"):
+        RunFiles(tmp_path).append_metrics({"epoch": 1})
 
 
 def test_lower_loss_is_better(tmp_path):

@@ -13,6 +13,7 @@ into place, and the largest difference is reported.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from hvdtrain.data.batch import split_batch, takes_keyword, tensors_in
-from hvdtrain.io.atomic import shared_file_mode
+from hvdtrain.io.atomic import WriteFailed, make_dir, shared_file_mode, why_not_written
 from hvdtrain.errors import UserError, message_lines
 from hvdtrain.after.saved_run import SavedRun
 
@@ -53,7 +54,7 @@ def export(saved: SavedRun, fmt: str, path: Path, batch: Any) -> Exported:
     with torch.no_grad():
         expected = tensors_in(saved.model(*args, **kwargs))
     write, load = _WRITERS[fmt]
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(path.parent)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as scratch:
         staged = Path(scratch) / path.name
         try:
@@ -64,6 +65,11 @@ def export(saved: SavedRun, fmt: str, path: Path, batch: Any) -> Exported:
         except UserError:
             raise
         except Exception as err:
+            for partial in Path(scratch).iterdir():  # first, so that the free space said is what is left
+                partial.unlink()
+            reason = why_not_written(err, path.parent)
+            if reason is not None:
+                raise WriteFailed(path, reason) from err
             raise UserError(f"export to {fmt} failed: {type(err).__name__}: {message_lines(err)[:300]}; the model may use "
                             "Python that this format cannot capture (try another --format; safetensors always "
                             "works)") from err
@@ -125,9 +131,17 @@ def _safetensors_load(saved: SavedRun, path: Path, args: tuple, kwargs: dict) ->
     return _call(model.to(_device_of(args, kwargs)).eval(), args, kwargs)
 
 
+def _in_memory(save: Callable[[io.BytesIO], None]) -> bytes:
+    """What `save` writes, made in memory and then written by Python: torch's archive writer, writing a
+    file itself, aborts the whole process when the disk fills (its destructor throws)."""
+    buffer = io.BytesIO()
+    save(buffer)
+    return buffer.getvalue()
+
+
 def _torchscript_write(saved: SavedRun, path: Path, args: tuple, kwargs: dict) -> None:
     traced = torch.jit.trace(saved.model, args, example_kwarg_inputs=kwargs or None, strict=False)
-    torch.jit.save(traced, str(path))
+    path.write_bytes(_in_memory(lambda buffer: torch.jit.save(traced, buffer)))
 
 
 def _torchscript_load(saved: SavedRun, path: Path, args: tuple, kwargs: dict) -> Any:
@@ -136,7 +150,7 @@ def _torchscript_load(saved: SavedRun, path: Path, args: tuple, kwargs: dict) ->
 
 def _pt2_write(saved: SavedRun, path: Path, args: tuple, kwargs: dict) -> None:
     program = torch.export.export(saved.model, args, kwargs, dynamic_shapes=_batch_dynamic(args, kwargs))
-    torch.export.save(program, str(path))
+    path.write_bytes(_in_memory(lambda buffer: torch.export.save(program, buffer)))
 
 
 def _pt2_load(saved: SavedRun, path: Path, args: tuple, kwargs: dict) -> Any:

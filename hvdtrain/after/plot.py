@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hvdtrain.after.runs import RunRecord
+from hvdtrain.io.atomic import WriteFailed, make_dir, why_not_written
 
 # Record keys that are not curves.
 _SKIP = {"val_samples", "val_loss"}
@@ -68,8 +69,11 @@ def draw(runs: list[RunRecord], output: Path) -> None:
     axes[0][0].legend(fontsize="small")
     figure.suptitle("  vs  ".join(str(run.path) for run in runs)[:150])
     figure.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=110)
+    make_dir(output.parent)
+    try:
+        figure.savefig(output, dpi=110)
+    except OSError as err:
+        raise WriteFailed(output, why_not_written(err, output.parent) or str(err)) from err
     plt.close(figure)
 
 

@@ -3,10 +3,59 @@ Used by checkpoints, the run directory's config, metrics and summary, prediction
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from hvdtrain.errors import UserError
+from hvdtrain.io.progress import mib
+
+
+class WriteFailed(UserError):
+    """A file that could not be written: a full disk or quota, a read-only or vanished directory.
+    One line, not a traceback: the machine's state, which the user fixes. `reason` is the line's cause."""
+
+    def __init__(self, path: Path, reason: str, failed: str = "could not write"):
+        super().__init__(f"{failed} {path}: {reason}")
+        self.reason = reason
+
+
+# How torch.save's archive writer words a write that failed (inline_container.cc).
+_TORCH_WRITER_FAILED = ("unexpected pos", "PytorchStreamWriter failed")
+# The system's words for a full disk, as other libraries' errors (safetensors', say) pass them on.
+_FULL = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+
+
+def why_not_written(err: Exception, directory: Path) -> str | None:
+    """What a failed write's error says, with the free space where that ran out; None for an error that
+    is not a failed write. torch.save into a file swallows the write's OSError and says only
+    `unexpected pos N vs M`: a short write, which a full file system (or quota) is nearly always behind."""
+    if isinstance(err, OSError):  # np.save's short write is an OSError without an errno
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT, None)
+        reason = err.strerror or str(err)
+    elif isinstance(err, RuntimeError) and any(words in str(err) for words in _TORCH_WRITER_FAILED):
+        full, reason = True, "the file came out shorter than written: no space left on the device or over a quota"
+    elif any(words in str(err) for words in _FULL):
+        full, reason = True, next(words for words in _FULL if words in str(err))
+    else:
+        return None
+    if full:
+        try:
+            reason += f" ({mib(shutil.disk_usage(directory).free)} free there)"
+        except OSError:
+            pass
+    return reason
+
+
+def make_dir(path: Path) -> None:
+    """`mkdir -p`, its failure one line (a read-only file system, a parent that cannot be made)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise WriteFailed(path, why_not_written(err, path.parent) or str(err), "could not make the directory") from err
 
 
 def atomic_write(path: Path, write: Any) -> None:
@@ -14,8 +63,11 @@ def atomic_write(path: Path, write: Any) -> None:
 
     A crash at any moment leaves either the old file or the new one, never a part.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    make_dir(path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise WriteFailed(path, why_not_written(err, path.parent) or str(err)) from err
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)
@@ -23,9 +75,12 @@ def atomic_write(path: Path, write: Any) -> None:
             os.fsync(handle.fileno())
         os.chmod(tmp, shared_file_mode())  # mkstemp makes files private; others on a cluster read runs
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
-        raise
+        reason = why_not_written(err, path.parent) if isinstance(err, Exception) else None
+        if reason is None:
+            raise
+        raise WriteFailed(path, reason) from err
     fsync_dir(path.parent)
 
 

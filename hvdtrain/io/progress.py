@@ -63,6 +63,14 @@ def epoch_line(record: dict[str, Any]) -> str:
             f"{record['train_samples_per_s']:,.0f} samples/s  {record['elapsed_s']:.1f}s{slow}")
 
 
+def mib(nbytes: int) -> str:
+    """Bytes in the unit that reads best (KiB, MiB, GiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
 def say(message: str, err: bool = False) -> None:
     """A line for the user on stdout (`err`: stderr), flushed so launchers forward it at once, and in one
     write: a launcher tags each piece it reads, and print's text and newline are two writes where the

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from hvdtrain.io import run_lock
-from hvdtrain.io.atomic import atomic_write
+from hvdtrain.io.atomic import WriteFailed, atomic_write, make_dir, why_not_written
 from hvdtrain.io.checkpoint import CHECKPOINTS, CheckpointStore, best_entry
 from hvdtrain.io.mlflow_log import RUN_ID_FILE
 from hvdtrain.config import RunConfig
@@ -99,7 +99,7 @@ def prepare_run_dir(cfg: RunConfig, claimed: bool = True) -> tuple[Path, bool]:
             f"run directory '{path}' already holds a run: pass --resume to continue it, "
             "--overwrite to start it again, or choose another --run-dir"
         )
-    path.mkdir(parents=True, exist_ok=True)
+    make_dir(path)
     key = _claim(path, claimed)  # before anything goes: a job still writing there keeps it all
     if has_content:
         try:
@@ -169,6 +169,8 @@ def _fresh_default_dir() -> Path:
             return path
         except FileExistsError:
             continue
+        except OSError as err:
+            raise WriteFailed(path, why_not_written(err, Path.cwd()) or str(err), "could not make the directory") from err
     raise UserError("could not find a free run directory under runs/: pass --run-dir")
 
 
@@ -185,8 +187,11 @@ class RunFiles:
         atomic_write(self.path / "config.yaml", lambda handle: handle.write(text.encode()))
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.path / METRICS, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
+        try:
+            with open(self.path / METRICS, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+        except OSError as err:  # a line torn by it is dropped on resume
+            raise WriteFailed(self.path / METRICS, why_not_written(err, self.path) or str(err)) from err
         for tracker in self.trackers:
             tracker.epoch(record)
 

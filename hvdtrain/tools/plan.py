@@ -25,7 +25,8 @@ from hvdtrain.engine.powersgd import sent_values
 from hvdtrain.engine.sharded import held_bytes
 from hvdtrain.models import ModelShapes
 from hvdtrain.train.schedule import learning_rate
-from hvdtrain.train.setup import make_optimizer, mib
+from hvdtrain.io.progress import mib
+from hvdtrain.train.setup import make_optimizer
 from hvdtrain.train.steps import StepCount
 from hvdtrain.tasks import build_task
 

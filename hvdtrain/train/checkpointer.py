@@ -20,6 +20,7 @@ from hvdtrain.data.sampler import TrainingSampler
 from hvdtrain.engine import Engine
 from hvdtrain.engine.base import on_cpu
 from hvdtrain.errors import UserError, message_lines
+from hvdtrain.io.atomic import WriteFailed, why_not_written
 from hvdtrain.io.checkpoint import CheckpointState, CheckpointStore, Start, split_adamw_groups
 from hvdtrain.io.progress import say
 from hvdtrain.train.loggers import StepLog
@@ -188,11 +189,11 @@ class _Writer:
     @staticmethod
     def failed(store: CheckpointStore, err: Exception) -> None:
         """Raises the line for a failed write."""
-        if isinstance(err, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
-            reason = err.strerror if isinstance(err, OSError) and err.strerror else message_lines(err)
-            raise UserError(f"could not write a checkpoint into {store.dir}: {reason}; the "
-                            "checkpoints before it are intact: free space, then continue with --resume") from err
-        raise err
+        reason = err.reason if isinstance(err, WriteFailed) else why_not_written(err, store.dir)
+        if reason is None:
+            raise err
+        raise UserError(f"could not write a checkpoint into {store.dir}: {reason}; the "
+                        "checkpoints before it are intact: free space, then continue with --resume") from err
 
 
 def restore(run: Run, config: Config, run_dir: Path,

@@ -24,6 +24,7 @@ from hvdtrain.data.sources import DataSplit, build_data
 from hvdtrain.engine import Engine, GradientSync
 from hvdtrain.errors import UserError
 from hvdtrain.factory import call_factory
+from hvdtrain.io.progress import mib
 from hvdtrain.models import ModelShapes
 from hvdtrain.tasks import Task, build_task
 from hvdtrain.tasks.check import FirstBatch, best_metric, check_first_batch
@@ -194,13 +195,6 @@ def holdings_line(run: Run, config: Config, engine: Engine) -> str:
     return (f"rank {engine.rank}/{engine.size} holds parameters {mib(nbytes(params))} (all), gradients "
             f"{mib(mine)} and optimizer state {state} (its share: --shard-optimizer)")
 
-
-def mib(nbytes: int) -> str:
-    """Bytes in the unit that reads best (KiB, MiB, GiB)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes / 2**10:.1f} KiB"
 
 
 def keep_learning_rate(config: Config, lr_batch: int) -> None:
