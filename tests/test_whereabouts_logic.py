@@ -166,3 +166,44 @@ def test_a_collective_of_set_up_waits_a_minute_at_least_and_one_of_training_the_
     assert "at set-up (train.stall_timeout 1 s, 60 s at least in set-up)" in capsys.readouterr().err
     assert wait_rule("set-up", 5) == "train.stall_timeout 5 s, 60 s at least in set-up"
     assert wait_rule("set-up", 300) == "train.stall_timeout 300 s"
+
+
+SUSPENDED_IN_A_COLLECTIVE = """
+import os, sys, time
+from hvdtrain.engine.activity import Activity
+from hvdtrain.engine.watchdog import StallWatchdog
+activity = Activity()
+activity.at("epoch 1, step 3")
+dog = StallWatchdog(activity, None, 2, rank=lambda: 0, size=lambda: 2).start()
+with activity.waiting("the gradient allreduce"):  # the other rank's part: the test's word on stdin
+    print("waiting", flush=True)
+    sys.stdin.readline()
+dog.stop()
+print("done", flush=True)
+"""
+
+
+def test_a_job_stopped_and_continued_inside_a_collective_is_no_stall():
+    """Ctrl-Z and fg, or Slurm's `scontrol suspend` and `resume`: 3 s stopped in a collective with
+    train.stall_timeout 2 is no stall once continued; the 1.3 s it waited while it ran are not one either."""
+    import contextlib
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", SUSPENDED_IN_A_COLLECTIVE], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "waiting\n"
+        time.sleep(0.3)
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(3)
+        child.send_signal(signal.SIGCONT)
+        time.sleep(1.0)
+        with contextlib.suppress(BrokenPipeError):  # ended by a stall report meanwhile: asserted below
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        out, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    assert (child.returncode, out, err) == (0, "done\n", "")

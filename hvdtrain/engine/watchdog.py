@@ -66,6 +66,26 @@ class Board(Protocol):
     def read(self, rank: int) -> Activity | None: ...
 
 
+class _StoppedTime:
+    """Seconds this process was stopped (SIGSTOP or Ctrl-Z; Slurm's `scontrol suspend` stops every
+    task of a job alike) while in the current collective: not a wait for another rank, and not a stall
+    once the job is continued. Told by the watchdog's passes, each asked for `interval` seconds after
+    the last: one that comes more than a second later was not run for the difference."""
+
+    def __init__(self, interval: float):
+        self.interval, self._last, self._since, self._seconds = interval, time.monotonic(), None, 0.0
+
+    def within(self, activity: Activity) -> float:
+        """Called once per pass: the stopped seconds since `activity`'s collective began."""
+        now = time.monotonic()
+        late, self._last = now - self._last - self.interval, now
+        if activity.since != self._since:
+            self._since, self._seconds = activity.since, 0.0
+        if late > 1.0 and activity.collective is not None:
+            self._seconds += min(late, max(0.0, time.time() - activity.since - self._seconds))
+        return self._seconds
+
+
 class StallWatchdog:
     """Ends the process when its collective has waited `timeout` seconds, naming the laggards."""
 
@@ -90,6 +110,7 @@ class StallWatchdog:
     def _watch(self) -> None:
         interval = max(0.2, min(2.0, self.timeout / 5))
         published = None
+        stopped = _StoppedTime(interval)
         while not self._stop.wait(interval):
             try:
                 rank = self.rank()
@@ -101,8 +122,8 @@ class StallWatchdog:
                 with contextlib.suppress(OSError, RuntimeError):  # the store is unreachable: next pass
                     self.board.publish(rank, current)
                     published = current
-            if current.collective is not None and time.time() - current.since > allowed_wait(current.where,
-                                                                                             self.timeout):
+            waited = time.time() - current.since - stopped.within(current)
+            if current.collective is not None and waited > allowed_wait(current.where, self.timeout):
                 self._stalled(rank, current)
 
     def _stalled(self, rank: int, mine: Activity) -> None:
