@@ -542,6 +542,20 @@ def test_fp16_compression_averages_gradients_whose_sum_would_overflow(launcher, 
         assert f"rank {rank} averaged gradient [[40000.0, 40000.0, 40000.0, 40000.0]]" in done.stdout, done.stdout
 
 
+SPARSE = ["--data", "user_code:token_bags", "--set", "data.num_classes=4", "--epochs", "2", "--batch-size", "30",
+          "--accumulate", "2", "--clip-grad-norm", "0.5", "--threads", "1"]
+
+
+def test_sparse_gradients_train_as_dense_ones_on_both_engines(tmp_path):
+    """nn.EmbeddingBag(sparse=True): its gradient is made dense before either engine's hooks take it, so
+    the finite check, clipping and the allreduce see what sparse=False gives, and so do the weights."""
+    for launcher, model in (("horovodrun-gloo", "sparse_bag"), ("torchrun", "sparse_bag"), ("torchrun", "dense_bag")):
+        fit_ok(launcher, *SPARSE, "--model", f"user_code:{model}", "--run-dir", str(tmp_path / f"{launcher}-{model}"))
+    dense = final_weights(tmp_path / "torchrun-dense_bag")
+    for launcher in ("horovodrun-gloo", "torchrun"):
+        assert_same_weights(final_weights(tmp_path / f"{launcher}-sparse_bag"), dense, atol=1e-6)
+
+
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", "torchrun"])
 def test_a_parameter_no_rank_uses_is_left_alone_by_momentum_and_weight_decay(launcher, tmp_path):
     """As with DDP: a parameter whose gradient no rank computed gets none, so the optimizer skips it

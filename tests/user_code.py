@@ -935,3 +935,29 @@ def held_until_released(input_shape, num_classes):
     from hvdtrain.models import build_model
 
     return _HeldUntilReleased(build_model(ModelConfig(name="mlp"), input_shape, num_classes))
+
+
+class _TokenBag(nn.Module):
+    def __init__(self, sparse: bool):
+        super().__init__()
+        self.embedding = nn.EmbeddingBag(500, 8, mode="mean", sparse=sparse)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, tokens):
+        return self.head(self.embedding(tokens))
+
+
+def sparse_bag():
+    """Its embedding's gradient is sparse."""
+    return _TokenBag(sparse=True)
+
+
+def dense_bag():
+    return _TokenBag(sparse=False)
+
+
+def token_bags():
+    """Eight tokens of 500 a sample; the class is the first token's, mod 4."""
+    generator = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, 500, (360, 8), generator=generator)
+    return _tensor_split(tokens, tokens[:, 0] % 4)

@@ -29,6 +29,7 @@ from hvdtrain.models import ModelShapes
 from hvdtrain.tasks import Task, build_task
 from hvdtrain.tasks.check import FirstBatch, best_metric, check_first_batch
 from hvdtrain.numerics.precision import Precision
+from hvdtrain.train.sparse_gradients import densify_sparse_gradients
 from hvdtrain.train.steps import StepCount
 
 
@@ -82,6 +83,7 @@ def build(config: Config, engine: Engine) -> Run:
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     precision = Precision(config.train.precision, engine.device)
+    densify_sparse_gradients(model)
     train = config.train
     optimizer = engine.wrap_optimizer(
         make_optimizer(config, model), model,
