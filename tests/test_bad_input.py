@@ -145,6 +145,13 @@ def test_existing_run_directory_is_not_clobbered(existing_run, capsys):
     assert snapshot(existing_run) == before
 
 
+def test_hvdtrain_alone_shows_its_usage_not_an_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("Usage: hvdtrain [OPTIONS] COMMAND") and "error" not in err
+
+
 def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
     with pytest.raises(SystemExit) as exit_info:

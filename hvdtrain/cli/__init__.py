@@ -56,6 +56,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(code)
 
 
+def _help_and_exit(text: str) -> NoReturn:
+    """Usage on stderr (from rank 0 alone, under a launcher) and exit status 2, as click's own."""
+    from hvdtrain.engine import launcher_rank
+
+    if (launcher_rank() or 0) == 0:
+        sys.stderr.write(f"{text}\n")
+    sys.exit(2)
+
+
 def _leave_without_teardown(code: int | str | None) -> None:
     """Outside the `except` above: the exception's traceback, and the frames it holds (a data-loader
     iterator of a run that stopped, whose workers exit with it), are freed first, as at a normal exit."""
@@ -92,6 +101,8 @@ def _main(argv: Sequence[str] | None) -> None:
     except click.exceptions.Abort:  # click's KeyboardInterrupt
         _interrupted(debug, argv is None)
     except click.ClickException as err:
+        if type(err).__name__ == "NoArgsIsHelpError":  # `hvdtrain` alone (click 8.2 on): its help, not an error
+            _help_and_exit(err.format_message())
         message = err.format_message()
         if "unexpected extra argument" in message and any(arg.endswith(".tar") for arg in args):
             message += "; a shell expanded a pattern of shards: quote it (--data 'shards/*.tar')"
