@@ -179,6 +179,23 @@ def test_an_engine_that_cannot_join_the_launched_processes_is_refused(kind, vari
             _refuse_a_mismatch(kind)
 
 
+@pytest.mark.parametrize("omp, torchrun, requested, threads", [
+    (None, False, 0, "share"), ("3", False, 0, 3), ("3", True, 0, 3), ("1", False, 0, 1),
+    ("1", True, 0, "share"),  # torchrun's own setting for several processes a host, unless the user's
+    ("3", False, 2, 2), ("lots", False, 0, "share"), ("0", False, 0, "share")])
+def test_threads_are_the_flag_s_then_the_user_s_omp_num_threads_then_a_share_of_the_cores(omp, torchrun, requested,
+                                                                                          threads, monkeypatch):
+    from hvdtrain.engine.environment import available_cores, threads_per_process
+
+    for name, value in (("OMP_NUM_THREADS", omp), ("TORCHELASTIC_RUN_ID", "job" if torchrun else None)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    share = available_cores()  # one process on this host
+    assert threads_per_process(requested, local_size=1) == (share if threads == "share" else threads)
+
+
 def test_a_batch_script_s_own_process_is_no_launched_rank(monkeypatch):
     """Slurm gives a batch script task 0 of its allocation's tasks, but no step: `hvdtrain fit --engine
     torch` there waited for ranks nobody started until the rendezvous timeout."""

@@ -19,7 +19,7 @@ from hvdtrain import startup_gc
 from hvdtrain.engine import host_memory
 from hvdtrain.engine.base import Engine, GradientSync, RankFailed
 from hvdtrain.engine.environment import (available_cores, environment_rank, launcher_facts, plain_srun_rank,
-                                         torchrun_launched)
+                                         threads_per_process, torchrun_launched)
 from hvdtrain.engine.local import LocalEngine
 from hvdtrain.errors import AnotherRankFailed, StoppedBySignal, UserError
 
@@ -68,7 +68,7 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
         HorovodEngine.init(stall_timeout, timeline, keep_mpi=process_goes_on)
         return _start(HorovodEngine, device, threads, stall_timeout)
     engine_device = _pick_device(device, local_rank=0, local_size=1)
-    torch.set_num_threads(_threads_per_process(threads, local_size=1))
+    torch.set_num_threads(threads_per_process(threads, local_size=1))
     return LocalEngine(engine_device)
 
 
@@ -123,18 +123,11 @@ def running_engine(on_failure: Callable[[Exception], None] | None = None, **engi
 def _start(engine_type: Any, device: str, threads: int, stall_timeout: int) -> Engine:
     local_rank, local_size = engine_type.local_facts()
     engine_device = _pick_device(device, local_rank, local_size)
-    torch.set_num_threads(_threads_per_process(threads, local_size))
+    torch.set_num_threads(threads_per_process(threads, local_size))
     global _started
     _started = engine_type.start(engine_device, stall_timeout)
     _started.watch(stall_timeout, elastic=os.environ.get("HOROVOD_ELASTIC") == "1")  # dist
     return _started
-
-
-def _threads_per_process(requested: int, local_size: int) -> int:
-    # dist: ranks on one host share its cores; more threads than cores slows every rank.
-    if requested > 0:
-        return requested
-    return max(1, available_cores() // max(1, local_size))
 
 
 def _pick_device(kind: str, local_rank: int, local_size: int) -> torch.device:

@@ -177,3 +177,20 @@ def end_srun_step(step: str) -> None:
 def available_cores() -> int:
     """Cores this process may run on (its CPU affinity, which launchers and containers narrow)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def threads_per_process(requested: int, local_size: int) -> int:
+    """--threads where given; else the user's OMP_NUM_THREADS; else this rank's share of the host's cores.
+    dist: ranks on one host share its cores; more threads than cores slows every rank."""
+    if requested > 0:
+        return requested
+    return users_thread_count() or max(1, available_cores() // max(1, local_size))
+
+
+def users_thread_count() -> int | None:
+    """OMP_NUM_THREADS as the user set it; None where unset or not a count, and under torchrun where it is
+    1, which torchrun sets itself for several processes per host unless the user did."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value.isdigit() or int(value) < 1 or (value == "1" and torchrun_launched()):
+        return None
+    return int(value)

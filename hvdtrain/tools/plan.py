@@ -17,7 +17,7 @@ import torch
 from hvdtrain.config import Config
 from hvdtrain.data.sources import build_data
 from hvdtrain.tools.doctor import gpus
-from hvdtrain.engine.environment import available_cores
+from hvdtrain.engine.environment import threads_per_process
 from hvdtrain.data.sampler import EvalShardSampler
 from hvdtrain.data.stream_sampler import training_sampler
 from hvdtrain.data.streams import StreamDataset
@@ -43,10 +43,8 @@ def rank_facts(rank: int, local_rank: int, size: int, local_size: int, device: s
         chosen = "cpu"
     else:  # dist: local rank r takes cuda:r, counted among the GPUs CUDA_VISIBLE_DEVICES leaves visible
         chosen = gpu or f"cuda:{local_rank} (not visible here: fit would stop)"
-    # dist: the host's cores are divided among its processes (as fit does)
-    per_rank = threads if threads > 0 else max(1, available_cores() // max(1, local_size))
     return {"rank": rank, "local_rank": local_rank, "world_size": size, "local_size": local_size,
-            "host": platform.node(), "device": chosen, "threads": per_rank}
+            "host": platform.node(), "device": chosen, "threads": threads_per_process(threads, local_size)}
 
 
 def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
