@@ -42,9 +42,10 @@ def files(tmp_path_factory) -> dict[str, str]:
     np.savez(folder / "nan_x.npz", x=x, y=np.array([0, 1] * 4))
     (folder / "wrong_type.yaml").write_text("data:\n  batch_size: lots\n")
     (folder / "unknown_key.yaml").write_text("train:\n  epohcs: 3\n")
+    (folder / "table.csv").write_text("a,b,label\n1,2,0\n3,4,1\n")
     return {name: str(folder / f"{name}.{ext}") for name, ext in [
         ("no_x", "npz"), ("negative", "npz"), ("float_y", "npz"), ("nan_x", "npz"), ("wrong_type", "yaml"),
-        ("unknown_key", "yaml")]}
+        ("unknown_key", "yaml"), ("table", "csv")]}
 
 
 CASES = {
@@ -52,6 +53,8 @@ CASES = {
     "unknown model": (["--model", "resnet9000"], "unknown model 'resnet9000'"),
     "missing npz": (["--data", "absent.npz"], "data file 'absent.npz' does not exist"),
     "npz without x": (["--data", "{no_x}"], "has no array 'x'"),
+    "a table": (["--data", "{table}"], "a table (.csv) needs a data factory of yours that reads its columns into a "
+                                      "Dataset (--data mymodule:data)"),
     "factory does not import": (["--data", "nowhere.module:make"], "module 'nowhere' not found"),
     "factory attribute missing": (["--model", "user_code:absent"], "has no attribute 'absent'"),
     "unknown config key": (["--set", "train.epohcs=3"], "config key 'train.epohcs' does not exist: did you mean 'train.epochs'?"),

@@ -98,6 +98,17 @@ def _claimant(name: str) -> Source | None:
     return next((source for source in SOURCES if source.claims(name)), None)
 
 
+# A table's files: read by the user's own code, which knows its columns.
+_TABLES = (".csv", ".tsv", ".parquet", ".json", ".jsonl", ".feather", ".arrow", ".xlsx")
+
+
+def _table_hint(name: str) -> str:
+    if not name.lower().endswith(_TABLES):
+        return ""
+    return (f"; a table ({Path(name).suffix}) needs a data factory of yours that reads its columns into a "
+            "Dataset (--data mymodule:data), or its arrays saved as x and y in an .npz file")
+
+
 def source_of(name: str) -> Source:
     """The first source in `SOURCES` that claims `name`; one line naming what would be when none does."""
     found = _claimant(name)
@@ -106,7 +117,7 @@ def source_of(name: str) -> Source:
     if "/" in name or Path(name).exists():
         found_as = "is not one of these" if Path(name).exists() else "does not exist"
         raise UserError(f"data path '{name}' {found_as}: give a directory of x.npy and y.npy, an .npz file, "
-                        "a .bin token file, .tar shards or class folders of images")
+                        f"a .bin token file, .tar shards or class folders of images{_table_hint(name)}")
     raise UserError(
         f"unknown data set '{name}': use one of {', '.join(BUILT_IN)}, a path to an .npz file, a directory "
         f"of .npy arrays, a .bin token file, or package.module:function{colon_hint(name)}"
