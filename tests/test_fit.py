@@ -44,6 +44,19 @@ def test_run_directory_holds_what_the_readme_says(tmp_path, capsys):
         "best.pt", "epoch-0001.pt", "epoch-0002.pt", "epoch-0003.pt", "last.pt", "manifest.json"]
 
 
+def test_a_path_given_as_tilde_after_an_equals_sign_is_the_home_directory_s(tmp_path, monkeypatch):
+    """`--run-dir=~/run` and `--output=~/p.npy`: a shell expands `~` only at a word's start, so these came
+    unexpanded, and fit made a folder named `~` in the working directory (one `rm -rf ~` from disaster)."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)
+    fit("--epochs", "1", "--run-dir=~/run")
+    main(["predict", "~/run", "--output=~/p.npy"])
+    assert (home / "run" / "summary.json").is_file() and (home / "p.npy").is_file()
+    assert list(elsewhere.iterdir()) == []
+
+
 def test_resume_ends_with_the_same_weights(tmp_path):
     whole, halves = tmp_path / "whole", tmp_path / "halves"
     fit("--epochs", "4", "--run-dir", str(whole))

@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 import click
 
-from hvdtrain.cli.common import command_engine, is_rank_0, write_json
+from hvdtrain.cli.common import UserPath, command_engine, is_rank_0, write_json
 from hvdtrain.config import default_part, parse_assignment, saved_run_overrides
 from hvdtrain.errors import UserError
 
@@ -16,7 +16,7 @@ from hvdtrain.errors import UserError
 def _saved_run_options(function: Callable[..., Any]) -> Callable[..., Any]:
     """What `evaluate`, `predict` and `export` share: which run, which checkpoint, which data."""
     for option in reversed([
-        click.argument("run_dir", type=click.Path(file_okay=False)),
+        click.argument("run_dir", type=UserPath(file_okay=False)),
         click.option("--checkpoint", default="best", show_default=True, help="best, last or a checkpoint file."),
         click.option("--data", help="Another data set (as fit's --data); default: the run's own."),
         click.option("--split", "part", type=click.Choice(["val", "train", "all"]),
@@ -47,7 +47,7 @@ def _default_part(part: str | None, data: str | None) -> str:
 
 @click.command()
 @_saved_run_options
-@click.option("--output", type=click.Path(dir_okay=False),
+@click.option("--output", type=UserPath(dir_okay=False),
               help="JSON file for the metrics (default RUN_DIR/evaluate-<checkpoint>-<data>-<split>.json).")
 def evaluate(run_dir: str, checkpoint: str, data: str | None, part: str | None, batch_size: int | None,
              assignments: Sequence[str], device: str, debug: bool, output: str | None) -> None:
@@ -71,7 +71,7 @@ def evaluate(run_dir: str, checkpoint: str, data: str | None, part: str | None, 
 
 @click.command()
 @_saved_run_options
-@click.option("--output", required=True, type=click.Path(dir_okay=False),
+@click.option("--output", required=True, type=UserPath(dir_okay=False),
               help="File for the predictions: .npy, .pt or .jsonl (one per input sample, in input order).")
 @click.option("--raw-outputs", is_flag=True, help="The model's raw outputs (logits) instead of the task's answer.")
 def predict(run_dir: str, checkpoint: str, data: str | None, part: str | None, batch_size: int | None,
@@ -97,7 +97,7 @@ def predict(run_dir: str, checkpoint: str, data: str | None, part: str | None, b
 @_saved_run_options
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "torchscript", "pt2", "onnx"]),
               default="safetensors", show_default=True)
-@click.option("--output", type=click.Path(dir_okay=False), help="File to write (default RUN_DIR/export/model.<format>).")
+@click.option("--output", type=UserPath(dir_okay=False), help="File to write (default RUN_DIR/export/model.<format>).")
 def export_model(run_dir: str, checkpoint: str, data: str | None, part: str | None, batch_size: int | None,
                  assignments: Sequence[str], device: str, debug: bool, fmt: str, output: str | None) -> None:
     """The model as safetensors, TorchScript, a torch.export program or ONNX, checked by loading it back."""
@@ -123,8 +123,8 @@ def export_model(run_dir: str, checkpoint: str, data: str | None, part: str | No
 
 
 @click.command()
-@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False))
-@click.option("--output", type=click.Path(dir_okay=False),
+@click.argument("run_dirs", nargs=-1, required=True, type=UserPath(file_okay=False))
+@click.option("--output", type=UserPath(dir_okay=False),
               help="PNG to write (default RUN_DIR/curves.png for one run, curves.png here for several).")
 def plot(run_dirs: Sequence[str], output: str | None) -> None:
     """Loss and metrics against epoch and wall time; several runs overlaid."""
@@ -147,8 +147,8 @@ def plot(run_dirs: Sequence[str], output: str | None) -> None:
 
 
 @click.command("runs")
-@click.argument("root", default="runs", type=click.Path(file_okay=False))
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the table as JSON.")
+@click.argument("root", default="runs", type=UserPath(file_okay=False))
+@click.option("--json", "json_path", type=UserPath(dir_okay=False), help="Also write the table as JSON.")
 def list_runs(root: str, json_path: str | None) -> None:
     """A table of the runs under ROOT (default runs/): world size, epochs, best metric, speed, status."""
     from hvdtrain.after.runs import as_json, find_runs, table

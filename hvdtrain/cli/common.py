@@ -25,6 +25,13 @@ QUIET_RANK_WAIT_SECONDS = 30.0
 SRUN_QUIET_RANK_WAIT_SECONDS = 10.0
 
 
+class UserPath(click.Path):
+    """click's Path with `~` expanded: a shell leaves `--output=~/a.npy` as it is."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        return super().convert(os.path.expanduser(value) if isinstance(value, str) else value, param, ctx)
+
+
 def command_engine(debug: bool, **engine_args: Any) -> ContextManager[Any]:
     """The engine (`start_engine`'s arguments) for a command's work, shut down after it; a failure
     is reported (one line, the exit) before the shutdown."""

@@ -12,7 +12,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import click
 
-from hvdtrain.cli.common import command_engine, is_rank_0, report_and_exit, write_json
+from hvdtrain.cli.common import UserPath, command_engine, is_rank_0, report_and_exit, write_json
 from hvdtrain.config import FIT, FitSetting, parse_assignment, settings_config
 from hvdtrain.errors import UserError
 
@@ -21,7 +21,7 @@ def fit_options(function: Callable[..., Any]) -> Callable[..., Any]:
     """The flags of `fit`, shared with `plan` (which shows what a fit with them would do): the
     config file, each of fit's settings (config.FIT), `--set` and `--debug`."""
     options = [
-        click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML file; flags override it."),
+        click.option("--config", "config_path", type=UserPath(dir_okay=False), help="YAML file; flags override it."),
         *(_setting_option(setting) for setting in FIT),
         click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
                      help="Any config key, e.g. --set data.num_workers=2 (repeatable)."),
@@ -74,7 +74,7 @@ def fit_config(config_path: str | None, assignments: Sequence[str], flags: dict[
 @fit_options
 @click.option("--np", "planned", type=int, default=1, show_default=True,
               help="Alone: plan for this many processes on this host (under a launcher: the launcher's).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the plan as JSON.")
+@click.option("--json", "json_path", type=UserPath(dir_okay=False), help="Also write the plan as JSON.")
 def plan(config_path: str | None, assignments: Sequence[str], debug: bool, planned: int, json_path: str | None,
          **flags: Any) -> None:
     """What each rank of `fit` with these flags will do: device, batch, steps, lr, first batch."""

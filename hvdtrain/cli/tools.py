@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import click
 
-from hvdtrain.cli.common import command_engine, is_rank_0, write_json
+from hvdtrain.cli.common import UserPath, command_engine, is_rank_0, write_json
 from hvdtrain.cli.fit import fit_config, fit_options
 from hvdtrain.config import describe
 from hvdtrain.errors import UserError
@@ -22,8 +22,8 @@ def bench() -> None:
 @click.option("--min-bytes", type=int, default=4 << 10, show_default=True)
 @click.option("--max-bytes", type=int, default=256 << 20, show_default=True)
 @click.option("--iterations", type=int, default=5, show_default=True, help="Timed allreduces per size.")
-@click.option("--plot", type=click.Path(dir_okay=False), help="Write bandwidth against size to this PNG.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the rows as JSON.")
+@click.option("--plot", type=UserPath(dir_okay=False), help="Write bandwidth against size to this PNG.")
+@click.option("--json", "json_path", type=UserPath(dir_okay=False), help="Write the rows as JSON.")
 def bench_allreduce(min_bytes: int, max_bytes: int, iterations: int, plot: str | None, json_path: str | None) -> None:
     """Allreduce time, algorithm and bus bandwidth from 4 KB to 256 MB (run under a launcher)."""
     from hvdtrain.tools.bench import allreduce
@@ -59,8 +59,8 @@ def bench_allreduce(min_bytes: int, max_bytes: int, iterations: int, plot: str |
 @click.option("--channels-last", is_flag=True, help="Channels-last memory format for 4-d inputs.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--threads", type=int, default=0, help="Torch threads per process (0: cores / local processes).")
-@click.option("--plot", type=click.Path(dir_okay=False), help="Write samples/s per round to this PNG.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the result as JSON.")
+@click.option("--plot", type=UserPath(dir_okay=False), help="Write samples/s per round to this PNG.")
+@click.option("--json", "json_path", type=UserPath(dir_okay=False), help="Write the result as JSON.")
 def bench_train(model: str, hidden: int, input_shape: str, classes: int, batch_size: int, warmup: int, steps: int,
                 repeats: int, scaling: bool, compression: str, precision: str, channels_last: bool, device: str,
                 threads: int, plot: str | None, json_path: str | None) -> None:
@@ -97,7 +97,7 @@ def bench_train(model: str, hidden: int, input_shape: str, classes: int, batch_s
 @bench.command("sampler")
 @click.option("--size", type=int, default=10**8, show_default=True, help="Samples in the data set.")
 @click.option("--world-size", type=int, default=8, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the rows as JSON.")
+@click.option("--json", "json_path", type=UserPath(dir_okay=False), help="Write the rows as JSON.")
 def bench_sampler(size: int, world_size: int, json_path: str | None) -> None:
     """Time to the first index and extra memory: hvdtrain's sampler against DistributedSampler."""
     from hvdtrain.tools.bench import sampler
@@ -115,7 +115,7 @@ def bench_sampler(size: int, world_size: int, json_path: str | None) -> None:
                                                 "(default: 0, then 1, 2, 4, ... up to the cores this process has).")
 @click.option("--batches", "count", type=int, default=50, show_default=True, help="Timed batches per worker count.")
 @click.option("--steps", type=int, default=10, show_default=True, help="Timed training steps.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the result as JSON.")
+@click.option("--json", "json_path", type=UserPath(dir_okay=False), help="Write the result as JSON.")
 def bench_data(config_path: str | None, assignments: Sequence[str], debug: bool, worker_list: str | None, count: int,
                steps: int, json_path: str | None, **flags: Any) -> None:
     """Samples/s of the input pipeline alone per worker count, beside the training step's: whether a
@@ -147,7 +147,7 @@ def bench_data(config_path: str | None, assignments: Sequence[str], debug: bool,
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--engine", "engine_kind", type=click.Choice(["auto", "horovod", "torch"]), default="auto",
               show_default=True, help="The engine to check; auto: alone, fail only if neither could run.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every rank's facts as JSON.")
+@click.option("--json", "json_path", type=UserPath(dir_okay=False), help="Write every rank's facts as JSON.")
 def doctor(planned: int, device: str, engine_kind: str, json_path: str | None) -> None:
     """Report versions, both engines (Horovod's build, torch.distributed's backends), MPI, GPUs and threads;
     exit 1 with a fix if a launch would fail."""

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import click
 
+from hvdtrain.cli.common import UserPath
 from hvdtrain.errors import UserError
 
 
 @click.command()
-@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.argument("run_dir", type=UserPath(file_okay=False))
 @click.option("--timeout", type=click.FloatRange(0.1, 3600), default=30.0, show_default=True,
               help="Seconds to wait for the answer.")
 def where(run_dir: str, timeout: float) -> None:

@@ -9,6 +9,7 @@ Fields whose meaning depends on the world size say so with `dist:`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
@@ -147,6 +148,8 @@ class RunConfig:
     trace in horovod-timeline.json in the run directory; open it in Perfetto (ui.perfetto.dev)."""
 
     def __post_init__(self) -> None:
+        if self.dir is not None:  # `--run-dir=~/runs/a` reaches here unexpanded: not a folder named `~`
+            self.dir = os.path.expanduser(self.dir)
         require(self.log_every >= 0, "run.log_every", f"must be 0 (per epoch) or more, got {self.log_every}")
         require(self.checkpoint_every >= 1, "run.checkpoint_every", f"must be at least 1, got {self.checkpoint_every}")
         require(self.checkpoint_every_steps is None or self.checkpoint_every_steps >= 1, "run.checkpoint_every_steps",
