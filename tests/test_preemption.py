@@ -382,6 +382,52 @@ def test_ctrl_c_in_a_terminal_stops_every_rank_with_a_checkpoint_however_long_it
     assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
 
 
+def test_a_second_ctrl_c_as_the_ranks_have_left_is_no_crash(tmp_path):
+    """Ctrl-C twice: the second came once the ranks had stopped on the first and left, and hvdtrain's
+    horovodrun passed it to mpirun, which was ending the job: Open MPI's mpirun crashed in PMIx_Finalize (a
+    segmentation fault, exit 139, not the ranks' 75). It reaches mpirun now only if mpirun is still there 10 s on."""
+    import psutil
+
+    run_dir, group = tmp_path / "run", tmp_path / "group"
+    env = {**launch_env(), "HVDTRAIN_TEST_SIGNAL": "0:5:SIGINT:terminal", "HVDTRAIN_TEST_TERMINAL": str(group),
+           "HVDTRAIN_TEST_DROPOUT": "0.2"}
+    job = subprocess.Popen([*LAUNCHERS["horovodrun-mpi"], "hvdtrain", "fit", *ARGS, "--run-dir", str(run_dir)],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    group.write_text(str(job.pid))
+    try:
+        entry, seen, ranks = psutil.Process(job.pid), False, [None]
+        deadline = time.monotonic() + 60
+        while (ranks or not seen) and time.monotonic() < deadline:  # until the ranks came and went
+            ranks = [p for p in _descendants(entry) if "fit" in _cmdline(p) and "mpirun" not in _cmdline(p)[0]]
+            seen = seen or bool(ranks)
+            time.sleep(0.01)
+        assert seen and not ranks and job.poll() is None, "the ranks should have left before mpirun"
+        os.killpg(job.pid, signal.SIGINT)  # the terminal's second Ctrl-C
+        output, _ = job.communicate(timeout=60)
+    finally:
+        _kill(_processes_of(run_dir, within=0))
+    assert job.returncode == 75, output[-3000:]
+    assert "Segmentation fault" not in output and "abort is already in progress" not in output, output[-3000:]
+
+
+def _descendants(process) -> list:
+    import psutil
+
+    try:
+        return process.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _cmdline(process) -> list[str]:
+    import psutil
+
+    try:
+        return process.cmdline() or [""]
+    except psutil.Error:
+        return [""]
+
+
 @pytest.mark.parametrize("launcher", ["horovodrun-mpi", "torchrun"])
 def test_the_launcher_killed_ends_every_rank(launcher, tmp_path):
     """`kill -9` of the launcher (or `timeout -k`, or the out-of-memory killer) ends the job. horovodrun:

@@ -21,6 +21,9 @@ RANKS_START_SECONDS = 30.0
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "TORCHELASTIC_RUN_ID")
 _waiting: set[int] = set()  # held signals a thread passes on once the ranks hold them
 _launch_begun = False  # the launcher proper runs (it may start and end children of its own)
+_ranks_reached = False  # a signal reached ranks here (they stop, then leave)
+# How long a launcher whose ranks here are gone may take to end by itself before a signal reaches it.
+LAUNCHER_ENDS_SECONDS = 10.0
 
 
 def launch_begins() -> None:
@@ -54,6 +57,7 @@ def _send(number: int, ranks: list) -> None:
     began, the launcher ends as the signal's default would."""
     import psutil
 
+    global _ranks_reached
     sent = False
     for process in ranks:
         try:
@@ -62,8 +66,12 @@ def _send(number: int, ranks: list) -> None:
         except psutil.Error:  # gone meanwhile
             pass
     if sent:
+        _ranks_reached = True
         return
     children = psutil.Process().children()
+    if _ranks_reached and children:  # a second Ctrl-C after the ranks here stopped on the first
+        threading.Thread(target=_send_unless_ended, args=(number, children), daemon=True).start()
+        return
     for process in children:
         try:
             process.send_signal(number)
@@ -72,6 +80,21 @@ def _send(number: int, ranks: list) -> None:
     if not children and not _launch_begun and number not in HELD_BY_STARTING_RANKS:
         signal.signal(number, signal.SIG_DFL)
         os.kill(os.getpid(), number)
+
+
+def _send_unless_ended(number: int, children: list) -> None:
+    """The ranks here stopped on an earlier signal and are gone: the launcher below (mpirun, ending the job
+    after them) ends by itself, and Open MPI's mpirun, given SIGINT as it ends, crashes (a segmentation fault
+    in PMIx_Finalize, exit 139, not the ranks' 75). It gets the signal only if it is still there after
+    LAUNCHER_ENDS_SECONDS: stuck, or waiting for ranks on other hosts."""
+    import psutil
+
+    _, alive = psutil.wait_procs(children, timeout=LAUNCHER_ENDS_SECONDS)
+    for process in alive:
+        try:
+            process.send_signal(number)
+        except psutil.Error:
+            pass
 
 
 def _forward_once_held(number: int) -> None:
