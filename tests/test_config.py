@@ -68,3 +68,19 @@ def test_describe_is_loadable_yaml_with_every_key_documented():
 def test_saved_config_round_trips():
     config = Config.from_dict({}, {"data.name": "random", "optim.clip_grad_norm": 1.5})
     assert Config.from_dict(yaml.safe_load(yaml.safe_dump(config.to_dict()))) == config
+
+
+def test_resume_or_overwrite_on_the_command_line_wins_over_the_file_s_other(tmp_path):
+    """A config file saying `resume: true` (an older run's config.yaml, a requeue recipe) with --overwrite:
+    the command line's way with the directory, not a clash of the two."""
+    from hvdtrain.config import settings_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  resume: true\n")
+    config = settings_config(path, {}, {"overwrite": True})
+    assert (config.run.resume, config.run.overwrite) == (False, True)
+    path.write_text("run:\n  overwrite: true\n")
+    config = settings_config(path, {}, {"resume": True})
+    assert (config.run.resume, config.run.overwrite) == (True, False)
+    with pytest.raises(UserError, match="exclude each other"):
+        settings_config(None, {}, {"resume": True, "overwrite": True})

@@ -65,6 +65,13 @@ def test_resume_ends_with_the_same_weights(tmp_path):
     assert_same_weights(final_weights(whole), final_weights(halves), atol=0.0)
     epochs = [r["epoch"] for r in epoch_records(halves)]
     assert epochs == [1, 2, 3, 4]
+    # Its config.yaml is the run's recipe: given to fit again, it trains the same run afresh elsewhere, not
+    # resuming this one (it said resume: true), and with --overwrite over it, not refused as a clash.
+    again = tmp_path / "again"
+    main(["fit", "--config", str(halves / "config.yaml"), "--run-dir", str(again)])
+    assert_same_weights(final_weights(whole), final_weights(again), atol=0.0)
+    main(["fit", "--config", str(halves / "config.yaml"), "--run-dir", str(again), "--overwrite", "--epochs", "1"])
+    assert [r["epoch"] for r in epoch_records(again)] == [1]
 
 
 def test_accumulation_equals_a_larger_batch(tmp_path):

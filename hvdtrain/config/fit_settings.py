@@ -132,6 +132,9 @@ def settings_config(path: str | Path | None, overrides: dict[str, Any], settings
             value = ",".join(value) or None
         if value is not None:
             overrides[setting.key] = value
+    for given, other in (("run.resume", "run.overwrite"), ("run.overwrite", "run.resume")):
+        if overrides.get(given) and other not in overrides:  # the command line's way with the directory, not
+            overrides[other] = False  # the file's other one (a saved run's config.yaml said resume: true)
     if engine is not None:
         overrides["train.engine"] = engine
     config = load_config(path, overrides)

@@ -102,7 +102,11 @@ class Loggers:
         if config.run.mlflow:
             trackers.append(MLflowLog(run_dir, config.to_dict(), warn=warn))
         self.files = RunFiles(run_dir, trackers)
-        self.files.write_config(config.to_dict())
+        recipe = config.to_dict()
+        # How this command went about the directory, not what the run is: given to fit again as --config,
+        # the file must not resume this run (nor clash with an --overwrite there).
+        recipe["run"].update(resume=False, overwrite=False)
+        self.files.write_config(recipe)
         self.files.truncate_metrics(after_epoch=start_epoch, warn=warn)
         say(f"hvdtrain: run directory {run_dir}  ({layout})")
         if dropped_note:
