@@ -30,6 +30,7 @@ def test_yaml_then_overrides(tmp_path):
         ({"optim.scale_lr": "maybe"}, "config key 'optim.scale_lr' must be true or false"),
         ({"optim.lr": -1}, "config key 'optim.lr' must be positive"),
         ({"run.resume": True, "run.overwrite": True}, "exclude each other"),
+        ({"data.val_fraction": 0}, "config key 'data.val_fraction' must be more than 0 and less than 1 (fit validates"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

@@ -68,7 +68,8 @@ class DataConfig:
         require(self.name.strip() != "", "data.name", "must name a data set, e.g. digits")
         _args_need_a_factory(self.args, self.name, "data")
         require(self.batch_size >= 1, "data.batch_size", f"must be at least 1, got {self.batch_size}")
-        require(0.0 < self.val_fraction < 1.0, "data.val_fraction", f"must be between 0 and 1, got {self.val_fraction}")
+        require(0.0 < self.val_fraction < 1.0, "data.val_fraction", "must be more than 0 and less than 1 (fit "
+                f"validates every epoch on the samples held out), got {self.val_fraction}")
         require(self.num_workers >= -1, "data.num_workers", f"must be -1 (auto) or more, got {self.num_workers}")
         require(self.samples >= 2, "data.samples", f"must be at least 2, got {self.samples}")
         require(self.features >= 1, "data.features", f"must be at least 1, got {self.features}")
