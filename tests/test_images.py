@@ -123,6 +123,7 @@ def test_fit_evaluate_and_predict_read_the_same_folder_and_predictions_name_the_
     main(["predict", str(run_dir), "--split", "all", "--output", str(tmp_path / "p.jsonl")])
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert len(rows) == 800 and rows[0]["file"].startswith("train/class_00/") and rows[-1]["file"].startswith("val/")
+    assert all(row["class"] == f"class_{row['prediction']:02d}" for row in rows)  # the class's name, by its number
 
 
 def _bad_inputs(top: Path) -> dict[str, tuple[str, str]]:

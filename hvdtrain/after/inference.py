@@ -62,11 +62,13 @@ def evaluate_run(saved: SavedRun, engine: Engine, part: str) -> dict[str, Any]:
 
 
 class Predictions(list):
-    """Per-batch prediction tensors, in input order; `files`: each sample's file, where the data names them."""
+    """Per-batch prediction tensors, in input order; `files`: each sample's file, where the data names them;
+    `classes`: the name of each class, where the data names them (class folders, torchvision's datasets)."""
 
-    def __init__(self, per_batch: list[torch.Tensor], files: list[str] | None = None):
+    def __init__(self, per_batch: list[torch.Tensor], files: list[str] | None = None,
+                 classes: list[str] | None = None):
         super().__init__(per_batch)
-        self.files = files
+        self.files, self.classes = files, classes
 
 
 @torch.no_grad()
@@ -93,7 +95,9 @@ def predict_run(saved: SavedRun, engine: Engine, part: str, raw: bool) -> list[t
     if everyone is None:
         return None
     files = [dataset.file(i) for i in range(len(dataset))] if hasattr(dataset, "file") else None
-    return Predictions([tensor for _, tensor in sorted(pair for rank_part in everyone for pair in rank_part)], files)
+    classes = getattr(dataset, "classes", None)
+    return Predictions([tensor for _, tensor in sorted(pair for rank_part in everyone for pair in rank_part)], files,
+                       [str(name) for name in classes] if isinstance(classes, (list, tuple)) and not raw else None)
 
 
 class Counted:
@@ -153,9 +157,16 @@ def write_predictions(path: Path, per_batch: list[torch.Tensor]) -> tuple[int, s
     samples = [row for tensor in per_batch for row in tensor]
     same_shape = len({tuple(t.shape[1:]) for t in per_batch}) == 1
     if path.suffix == ".jsonl":
-        files = getattr(per_batch, "files", None)
+        files, classes = getattr(per_batch, "files", None), getattr(per_batch, "classes", None)
         named = (lambda i: {"file": files[i]}) if files else (lambda i: {})
-        text = "".join(json.dumps({"index": i, **named(i), "prediction": row.tolist()}) + "\n"
+
+        def class_of(row: torch.Tensor) -> dict[str, str]:  # a class number, and the data names its classes
+            if classes and row.dim() == 0 and not row.is_floating_point() and 0 <= int(row) < len(classes):
+                return {"class": classes[int(row)]}
+            return {}
+
+        text = "".join(json.dumps({"index": i, **named(i), "prediction": row.tolist(), **class_of(row)},
+                                  ensure_ascii=False) + "\n"
                        for i, row in enumerate(samples))
         atomic_write(path, lambda handle: handle.write(text.encode()))
     elif path.suffix == ".pt":
