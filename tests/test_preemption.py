@@ -382,6 +382,20 @@ def test_ctrl_c_in_a_terminal_stops_every_rank_with_a_checkpoint_however_long_it
     assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
 
 
+def test_torchrun_s_restarts_go_on_from_the_newest_checkpoint(uninterrupted, tmp_path):
+    """torchrun --max-restarts 1 starts both workers again after rank 1 is killed in epoch 2: the restarted
+    run goes on from epoch 1's checkpoint (it refused the directory, which held a run, and an --overwrite
+    would have wiped that checkpoint) and ends with the uninterrupted run's weights."""
+    run_dir = tmp_path / "run"
+    env = {"HVDTRAIN_TEST_SIGNAL": f"1:{STEPS_PER_EPOCH + 5}:SIGKILL", "HVDTRAIN_TEST_DROPOUT": "0.2"}
+    done = run(["torchrun", "--nproc-per-node", "2", "--max-restarts", "1", "hvdtrain", "fit", *ARGS, "--run-dir",
+                str(run_dir), "--overwrite"], env={**launch_env(), **env}, timeout=180)
+    assert_ok(done)
+    assert "hvdtrain: torchrun started the workers again (restart 1): going on from the newest checkpoint" in done.stdout
+    assert "hvdtrain: resuming from" in done.stdout and "(epoch 1, step 12)" in done.stdout, done.stdout[-3000:]
+    assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
+
+
 def test_a_second_ctrl_c_as_the_ranks_have_left_is_no_crash(tmp_path):
     """Ctrl-C twice: the second came once the ranks had stopped on the first and left, and hvdtrain's
     horovodrun passed it to mpirun, which was ending the job: Open MPI's mpirun crashed in PMIx_Finalize (a

@@ -476,7 +476,8 @@ class _SignalsItself(nn.Module):
         rank, count, name, *also = (os.environ.get("HVDTRAIN_TEST_SIGNAL", "") or "-1:0:SIGTERM").split(":")
         self.to_workers = also == ["workers"]  # its data-loader workers get it first, as Slurm signals them all
         self.to_terminal = also == ["terminal"]
-        mine = rank in ("all", str(_rank()))
+        # A worker torchrun started again (--max-restarts) after this signal ended the first: not again.
+        mine = rank in ("all", str(_rank())) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         # N counts training forward passes; vN evaluation ones.
         self.signal_at = int(count) if mine and not count.startswith("v") else None
         self.signal_in_evaluation = int(count[1:]) if mine and count.startswith("v") else None

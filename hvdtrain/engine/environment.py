@@ -36,6 +36,12 @@ def torchrun_launched() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def torchrun_restarts() -> int:
+    """How many times torchrun (--max-restarts) has started this job's workers again; 0 on the first start."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if torchrun_launched() else "0"
+    return int(count) if count.isdigit() else 0
+
+
 def launcher_ends_the_job_on_a_failure() -> bool:
     """Whether the launcher stops every process once one exits with a failure: torchrun's agent,
     horovodrun and Open MPI's mpirun do; srun does only when told to (--kill-on-bad-exit), and

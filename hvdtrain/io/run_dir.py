@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ from hvdtrain.io.atomic import WriteFailed, atomic_write, make_dir, why_not_writ
 from hvdtrain.io.checkpoint import CHECKPOINTS, CheckpointStore, best_entry
 from hvdtrain.io.mlflow_log import RUN_ID_FILE
 from hvdtrain.config import RunConfig
+from hvdtrain.engine.environment import torchrun_restarts
 from hvdtrain.errors import UserError
 
 TIMELINE = "horovod-timeline.json"
@@ -56,6 +58,22 @@ def read_metrics(path: Path, warn: Callable[[str], None] = lambda message: None)
             continue
         records.append(record)
     return records
+
+
+def after_a_restart(cfg: RunConfig, say: Callable[[str], None]) -> RunConfig:
+    """torchrun --max-restarts starts every worker again once one failed: with a run directory, the run
+    goes on from its newest checkpoint there (`--resume auto`), whatever the command line said of it (its
+    --overwrite would wipe that checkpoint, and plain fit would refuse the directory, which holds a run)."""
+    restarts = torchrun_restarts()
+    if not restarts or cfg.resume is True:
+        return cfg
+    if cfg.dir is None:
+        say(f"hvdtrain: warning: torchrun started the workers again (restart {restarts}), and without --run-dir "
+            "this run starts afresh in a new directory: give --run-dir to go on from its checkpoints")
+        return cfg
+    say(f"hvdtrain: torchrun started the workers again (restart {restarts}): going on from the newest "
+        f"checkpoint in {cfg.dir}, if it has one (as --resume auto)")
+    return dataclasses.replace(cfg, resume="auto", overwrite=False)
 
 
 def prepare_run_dir(cfg: RunConfig, claimed: bool = True) -> tuple[Path, bool]:

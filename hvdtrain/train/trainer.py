@@ -23,7 +23,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.io.checkpoint import Start
 from hvdtrain.io.progress import say
 from hvdtrain.io import run_lock
-from hvdtrain.io.run_dir import prepare_run_dir
+from hvdtrain.io.run_dir import after_a_restart, prepare_run_dir
 from hvdtrain.train.callbacks import Callbacks, StoppedEarly
 from hvdtrain.train.checkpointer import Checkpointer, restore
 from hvdtrain.train.failures import located
@@ -103,7 +103,8 @@ class Trainer:
         if not self.engine.is_root:  # dist: rank 0 alone owns the run directory
             return Start()
         # Not under --elastic: a process that joins as rank 0 while the first rank 0 lives claims again.
-        self.run_dir, resuming = prepare_run_dir(self.config.run, claimed=not self.config.train.elastic)
+        run = after_a_restart(self.config.run, say)
+        self.run_dir, resuming = prepare_run_dir(run, claimed=not self.config.train.elastic)
         self.claimed = run_lock.key(self.run_dir)
         if not resuming:
             return Start()
