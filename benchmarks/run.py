@@ -102,7 +102,7 @@ def environment(extra: dict[str, str]) -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets it too; each script sets its own threads
+    env.pop("OMP_NUM_THREADS", None)  # each contender sets its own threads (hvdtrain fit would take it as the user's)
     return env
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +78,16 @@ def test_a_write_that_fills_the_disk_is_one_line_and_leaves_the_old_file(tmp_pat
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
     with pytest.raises(WriteFailed, match="could not make the directory .*summary.json/sub: Not a directory"):
         atomic_write(target / "sub" / "file", full)
+
+
+def test_only_a_failed_write_reads_as_one():
+    """np.save's short write has no errno and is one; an errno-less OSError from elsewhere (TorchScript's
+    "Can't get source") is not, and keeps its own message."""
+    from hvdtrain.io.atomic import why_not_written
+
+    assert why_not_written(OSError("1797 requested and 496 written"), Path("/")).endswith("free there)")
+    assert why_not_written(OSError("Can't get source for <function f>"), Path("/")) is None
+    assert why_not_written(ValueError("unexpected pos"), Path("/")) is None
 
 
 def test_a_metrics_line_on_a_full_disk_is_one_line(tmp_path):

@@ -207,3 +207,31 @@ def test_a_job_stopped_and_continued_inside_a_collective_is_no_stall():
     finally:
         child.kill()
     assert (child.returncode, out, err) == (0, "done\n", "")
+
+
+def test_a_store_call_that_blocks_is_not_taken_for_time_stopped(monkeypatch, capsys):
+    """A board whose every publish blocks 1.5 s and fails (the store's host frozen or cut off): those
+    seconds are the watchdog's own, not the process stopped, and the stall is still reported in time."""
+    from hvdtrain.engine import watchdog
+
+    class StuckStore:
+        def publish(self, rank, activity):
+            time.sleep(1.5)
+            raise OSError("the store did not answer")
+
+        def read(self, rank):
+            return None
+
+    ended: list[int] = []
+    monkeypatch.setattr(watchdog, "end_process", ended.append)
+    activity = Activity(collective="the gradient allreduce", since=time.time())
+    activity.at("epoch 1, step 3")
+    dog = watchdog.StallWatchdog(activity, StuckStore(), 1, rank=lambda: 0, size=lambda: 2).start()
+    try:
+        deadline = time.monotonic() + 5  # about 2 s: two passes; taken for stopped time, 8 s
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        dog.stop()
+    assert ended[:1] == [1]
+    assert "rank 0 waited" in capsys.readouterr().err

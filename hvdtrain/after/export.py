@@ -55,7 +55,11 @@ def export(saved: SavedRun, fmt: str, path: Path, batch: Any) -> Exported:
         expected = tensors_in(saved.model(*args, **kwargs))
     write, load = _WRITERS[fmt]
     make_dir(path.parent)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as scratch:
+    try:
+        staging = tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-")
+    except OSError as err:  # a read-only or full file system where the folder is already there
+        raise WriteFailed(path, why_not_written(err, path.parent) or str(err)) from err
+    with staging as scratch:
         staged = Path(scratch) / path.name
         try:
             with warnings.catch_warnings(), _quiet_logger("torch.onnx"):

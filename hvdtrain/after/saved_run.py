@@ -73,7 +73,7 @@ def read_checkpoint(run_dir: Path, which: str) -> dict[str, Any]:
 
 def checkpoint_path(run_dir: Path, which: str) -> Path:
     if which not in NAMED:
-        path = Path(which)
+        path = Path(which).expanduser()
         if not path.is_file():
             raise UserError(f"checkpoint '{which}' does not exist: pass best, last or the path of a checkpoint file")
         return path

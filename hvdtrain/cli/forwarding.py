@@ -86,15 +86,26 @@ def _send_unless_ended(number: int, children: list) -> None:
     """The ranks here stopped on an earlier signal and are gone: the launcher below (mpirun, ending the job
     after them) ends by itself, and Open MPI's mpirun, given SIGINT as it ends, crashes (a segmentation fault
     in PMIx_Finalize, exit 139, not the ranks' 75). It gets the signal only if it is still there after
-    LAUNCHER_ENDS_SECONDS: stuck, or waiting for ranks on other hosts."""
-    import psutil
-
-    _, alive = psutil.wait_procs(children, timeout=LAUNCHER_ENDS_SECONDS)
-    for process in alive:
+    LAUNCHER_ENDS_SECONDS: stuck, or waiting for ranks on other hosts. Watched, not waited for: a wait
+    would reap it, and the launcher entry waiting for its status would read 0."""
+    deadline = time.monotonic() + LAUNCHER_ENDS_SECONDS
+    while (running := [process for process in children if _running(process)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for process in running:
         try:
             process.send_signal(number)
-        except psutil.Error:
+        except Exception:  # noqa: BLE001 - psutil.Error: gone meanwhile
             pass
+
+
+def _running(process) -> bool:
+    """Alive and not yet exited (an exited child stays a zombie until its parent reaps it)."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _forward_once_held(number: int) -> None:

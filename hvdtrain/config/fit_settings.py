@@ -74,7 +74,7 @@ FIT = (
                "Each rank keeps the optimizer state of 1/N of the parameters (reduce-scatter, all-gather)."),
     FitSetting("seed", "train.seed"),
     FitSetting("device", "train.device"),
-    FitSetting("threads", "train.threads", "Torch threads per process (0: cores / local processes)."),
+    FitSetting("threads", "train.threads", "Torch threads per process (0: OMP_NUM_THREADS where you set it, else cores / local processes)."),
     FitSetting("precision", "train.precision", "fp16 adds a gradient scaler."),
     FitSetting("channels_last", "train.channels_last", "Channels-last memory format for conv models."),
     FitSetting("compile", "train.compile", "torch.compile the model."),

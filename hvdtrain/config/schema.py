@@ -48,7 +48,8 @@ class TrainConfig:
     compile: bool = False
     """Compile the model with torch.compile (slower start, often faster steps)."""
     threads: int = 0
-    """dist: torch threads per process; 0 divides this host's cores among its local processes."""
+    """dist: torch threads per process; 0: OMP_NUM_THREADS where the user set it (not torchrun's own 1),
+    else this host's cores divided among its local processes."""
     nonfinite: Literal["error", "skip"] = "error"
     """A NaN or Inf loss on any rank: `error` stops every rank at that step (checkpoints kept);
     `skip` drops that step's update on every rank and goes on. With fp16 the gradient scaler skips."""

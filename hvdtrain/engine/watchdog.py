@@ -69,16 +69,15 @@ class Board(Protocol):
 class _StoppedTime:
     """Seconds this process was stopped (SIGSTOP or Ctrl-Z; Slurm's `scontrol suspend` stops every
     task of a job alike) while in the current collective: not a wait for another rank, and not a stall
-    once the job is continued. Told by the watchdog's passes, each asked for `interval` seconds after
-    the last: one that comes more than a second later was not run for the difference."""
+    once the job is continued. Told by the watchdog's waits between passes: one that ends more than a
+    second late was not run for the difference."""
 
-    def __init__(self, interval: float):
-        self.interval, self._last, self._since, self._seconds = interval, time.monotonic(), None, 0.0
+    def __init__(self) -> None:
+        self._since, self._seconds = None, 0.0
 
-    def within(self, activity: Activity) -> float:
-        """Called once per pass: the stopped seconds since `activity`'s collective began."""
-        now = time.monotonic()
-        late, self._last = now - self._last - self.interval, now
+    def within(self, activity: Activity, late: float) -> float:
+        """Called once per pass, with how late its wait ended: the stopped seconds since `activity`'s
+        collective began."""
         if activity.since != self._since:
             self._since, self._seconds = activity.since, 0.0
         if late > 1.0 and activity.collective is not None:
@@ -110,8 +109,12 @@ class StallWatchdog:
     def _watch(self) -> None:
         interval = max(0.2, min(2.0, self.timeout / 5))
         published = None
-        stopped = _StoppedTime(interval)
-        while not self._stop.wait(interval):
+        stopped = _StoppedTime()
+        while True:
+            began = time.monotonic()
+            if self._stop.wait(interval):
+                return
+            late = time.monotonic() - began - interval  # of the wait alone, not of a store call that blocked
             try:
                 rank = self.rank()
             except ValueError:  # Horovod shut down (or is re-initialising in elastic training)
@@ -122,7 +125,7 @@ class StallWatchdog:
                 with contextlib.suppress(OSError, RuntimeError):  # the store is unreachable: next pass
                     self.board.publish(rank, current)
                     published = current
-            waited = time.time() - current.since - stopped.within(current)
+            waited = time.time() - current.since - stopped.within(current, late)
             if current.collective is not None and waited > allowed_wait(current.where, self.timeout):
                 self._stalled(rank, current)
 

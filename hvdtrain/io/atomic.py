@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +26,8 @@ class WriteFailed(UserError):
 
 # How torch.save's archive writer words a write that failed (inline_container.cc).
 _TORCH_WRITER_FAILED = ("unexpected pos", "PytorchStreamWriter failed")
+# np.save's words for a write that came up short ("1797 requested and 496 written").
+_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
 # The system's words for a full disk, as other libraries' errors (safetensors', say) pass them on.
 _FULL = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
 
@@ -33,8 +36,8 @@ def why_not_written(err: Exception, directory: Path) -> str | None:
     """What a failed write's error says, with the free space where that ran out; None for an error that
     is not a failed write. torch.save into a file swallows the write's OSError and says only
     `unexpected pos N vs M`: a short write, which a full file system (or quota) is nearly always behind."""
-    if isinstance(err, OSError):  # np.save's short write is an OSError without an errno
-        full = err.errno in (errno.ENOSPC, errno.EDQUOT, None)
+    if isinstance(err, OSError) and (err.errno is not None or _SHORT_WRITE.search(str(err))):
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT, None)  # np.save's short write has no errno
         reason = err.strerror or str(err)
     elif isinstance(err, RuntimeError) and any(words in str(err) for words in _TORCH_WRITER_FAILED):
         full, reason = True, "the file came out shorter than written: no space left on the device or over a quota"
