@@ -278,7 +278,7 @@ def test_checkpoints_every_n_steps_resume_on_fewer_and_more_processes_each_sampl
                        str(copy), "--resume"], env={"HVDTRAIN_TEST_DROPOUT": "0", "HVDTRAIN_TEST_RECORD": str(after)},
                       timeout=240)
         assert_ok(resumed)
-        assert "896 samples into epoch 2" in resumed.stdout
+        assert "896 samples into epoch 2" in resumed.stdout and "warning" not in resumed.stdout
         # Each new rank's record: the 5 steps left of epoch 2, then epoch 3's 12.
         records = [path.read_text().split() for path in after.glob("*.txt")]
         assert len(records) == np_ and all(len(numbers) == 17 * batch for numbers in records)
@@ -290,6 +290,14 @@ def test_checkpoints_every_n_steps_resume_on_fewer_and_more_processes_each_sampl
         assert [r["lr"] for r in epoch_records(copy)] == \
             pytest.approx([r["lr"] for r in epoch_records(whole)], rel=1e-12)
         assert torch.load(copy / "checkpoints" / "last.pt", weights_only=True)["lr_batch"] == 64
+    # The data set changed meanwhile (images added to a folder, say): the rest of the epoch cannot follow
+    # the order the stop left it in, and the resume says so.
+    shutil.copytree(stopped, tmp_path / "changed")
+    resumed = run(["hvdtrain", "fit", *ARGS, *same_lr, "--run-dir", str(tmp_path / "changed"), "--resume"],
+                  env={"HVDTRAIN_TEST_DROPOUT": "0", "HVDTRAIN_TEST_TRAIN_SAMPLES": "1500"}, timeout=240)
+    assert_ok(resumed)
+    assert ("hvdtrain: warning: the training set has 1500 samples, 1600 when this checkpoint was written: the rest "
+            "of epoch 2 follows the new set's order") in resumed.stdout, resumed.stdout[-3000:]
 
 
 @pytest.fixture(scope="module")

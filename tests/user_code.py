@@ -577,7 +577,10 @@ def augmented():
 
 def indexed():
     """1600 training and 400 validation samples of 11 features, 4 classes, and a 12th column that
-    holds the sample's index in its split (for `records_indices`)."""
+    holds the sample's index in its split (for `records_indices`). HVDTRAIN_TEST_TRAIN_SAMPLES=N: the
+    first N training samples alone (a data set that changed)."""
+    import os
+
     from torch.utils.data import TensorDataset
 
     generator = torch.Generator().manual_seed(2)
@@ -585,7 +588,8 @@ def indexed():
     x = torch.randn(2000, 11, generator=generator) + y[:, None].float()
     index = torch.cat([torch.arange(1600), torch.arange(400)]).float()[:, None]
     x = torch.cat([x, index], dim=1)
-    return TensorDataset(x[:1600], y[:1600]), TensorDataset(x[1600:], y[1600:])
+    kept = int(os.environ.get("HVDTRAIN_TEST_TRAIN_SAMPLES", 1600))
+    return TensorDataset(x[:kept], y[:kept]), TensorDataset(x[1600:], y[1600:])
 
 
 class _RecordsIndices(_SignalsItself):

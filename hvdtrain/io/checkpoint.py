@@ -70,13 +70,16 @@ class CheckpointState:
     step_window: list[float] | None = None
     """With run.log_every: the step log's window under way (its loss sum and count over every rank, per
     process)."""
+    train_samples: int | None = None
+    """Inside an epoch: the training set's length, whose order `position` counts in (a resume on another
+    length cannot go on in the same order)."""
 
     def to_dict(self) -> dict[str, Any]:
         state = {"model": self.model, "optimizer": self.optimizer, "epoch": self.epoch, "step": self.step,
                  "world_size": self.world_size, "lr_batch": self.lr_batch, "scaler": self.scaler, "task": self.task,
                  "shapes": self.shapes, "config": self.config}
         if self.position is not None:
-            state.update(position=self.position, sums=self.sums, rng=self.rng)
+            state.update(position=self.position, sums=self.sums, rng=self.rng, train_samples=self.train_samples)
         if self.stream_plan is not None:
             state.update(stream_plan=self.stream_plan)
         if self.optimizer_pieces:

@@ -74,7 +74,7 @@ class Checkpointer:
 
         def state() -> tuple[CheckpointState, int, dict[str, float]]:
             saved = self._state(epoch - 1, step, lr_batch)
-            saved.position, saved.rng = position, states
+            saved.position, saved.rng, saved.train_samples = position, states, _length(self.run.split.train)
             saved.sums = [reduced[0], int(reduced[1]), int(reduced[2]), sums.skipped]
             saved.step_window = self.step_log.saved_window(reduced[3:]) if window is not None else None
             saved.stream_plan = sampler.state_at(position)  # where each rank's range stands, for any world size
@@ -236,7 +236,19 @@ def restore(run: Run, config: Config, run_dir: Path,
     start = Start.of(state)
     inside = f", {start.position} samples into epoch {state['epoch'] + 1}" if start.position else ""
     say(f"hvdtrain: resuming from {path} (epoch {state['epoch']}, step {state['step']}{inside})")
+    before, now = state.get("train_samples"), _length(run.split.train)
+    if start.position and state.get("stream_plan") is None and None not in (before, now) and before != now:
+        say(f"hvdtrain: warning: the training set has {now} samples, {before} when this checkpoint was written: "
+            f"the rest of epoch {state['epoch'] + 1} follows the new set's order, so some of its samples are seen "
+            "twice or not at all in this epoch (the epochs after it are whole)")
     return start, whole if engine.gradient_shards is not None else None, _powersgd_state(state, engine)
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:  # a stream without a length
+        return None
 
 
 SHAPING_KEYS = ("data.name", "data.image_size", "data.augment", "data.features", "data.classes", "data.num_classes",
