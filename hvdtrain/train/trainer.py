@@ -253,6 +253,7 @@ class Trainer:
         if write:
             self.checkpointer.save_inside(now.number, step, self.learning_rate.lr_batch, position, now.sums,
                                           self.shard.sampler)
+            self.engine.at(f"epoch {now.number}, training after step {step}")  # the write is over
             if self.callbacks:
                 self.callbacks.call("on_checkpoint", now.number, step, None, self.checkpointer.last)
         stop = self.stops.stop_at_step(signal, now.number, step)
@@ -283,6 +284,7 @@ class Trainer:
 
     def _save_epoch(self, epoch: int, step: int, metrics: dict[str, float]) -> None:
         self.checkpointer.save_epoch(epoch, step, self.learning_rate.lr_batch, metrics)  # dist: every rank
+        self.engine.at(f"the end of epoch {epoch}")  # for a stall report: the write is over
         self.stops.saved()  # the minutes until a timed checkpoint count from this one
         if self.callbacks:
             self.callbacks.call("on_checkpoint", epoch, step, None, self.checkpointer.last)
