@@ -51,6 +51,16 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(listing)
 
 
+def test_floats_written_without_a_dot_are_numbers_in_a_factory_s_own_arguments(tmp_path):
+    """YAML 1.1 (PyYAML's) reads `1e-8` as a string: `optim.args.eps: 1e-8` reached Adam as '1e-8'
+    ("'<=' not supported between 'float' and 'str'"). Read as YAML 1.2 and Python do, from a file and --set."""
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  name: torch.optim:Adam\n  args:\n    eps: 1e-8\n    betas: [0.9, 9.99E-1]\n")
+    config = load_config(path, dict([parse_assignment("optim.args.weight_decay=5e-4")]))
+    assert config.optim.args == {"eps": 1e-8, "betas": [0.9, 0.999], "weight_decay": 5e-4}
+    assert parse_assignment("data.args.name=1e") == ("data.args.name", "1e")  # not a number: a string still
+
+
 def test_set_assignments_parse_as_yaml():
     assert parse_assignment("data.batch_size=32") == ("data.batch_size", 32)
     assert parse_assignment("optim.clip_grad_norm=null") == ("optim.clip_grad_norm", None)

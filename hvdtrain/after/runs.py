@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from hvdtrain.config.loading import read_yaml
 from hvdtrain.errors import UserError
 
 
@@ -65,7 +66,7 @@ def read_run(path: Path) -> RunRecord:
     if not (path / "config.yaml").is_file():
         raise UserError(f"'{path}' is not a run directory (it has no config.yaml): pass the --run-dir of a fit")
     try:
-        config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+        config = read_yaml((path / "config.yaml").read_text()) or {}
         metrics = path / "metrics.jsonl"
         epochs = read_metrics(metrics)
         summary_file = path / "summary.json"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,21 @@ import yaml
 
 from hvdtrain.config.schema import Config, section_types_of_config
 from hvdtrain.errors import UserError
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, with floats as YAML 1.2 (and Python, and JSON) write them: `1e-3` and `5E-4`
+    are numbers, not the strings YAML 1.1 makes of a float without a dot. A typed key survives that (its
+    coercion), but a factory's own argument (`optim.args.eps: 1e-8`) reached it as a string."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
+def read_yaml(text: str) -> Any:
+    """YAML text as hvdtrain reads it (config files, --set values, saved runs)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
@@ -22,7 +38,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         if not path.is_file():
             raise UserError(f"config file '{path}' does not exist: check the path given to --config")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = read_yaml(path.read_text()) or {}
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
@@ -50,7 +66,7 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     if not sep or "." not in key:
         raise UserError(f"--set expects section.key=value (for example data.batch_size=32), got '{text}'")
     try:
-        parsed = yaml.safe_load(value) if value != "" else ""
+        parsed = read_yaml(value) if value != "" else ""
     except yaml.YAMLError:
         parsed = value
     return key.strip(), parsed
