@@ -111,3 +111,21 @@ def test_a_tracking_server_that_cannot_be_reached_is_said_once_and_the_run_goes_
         "hvdtrain: warning: MLflow at http://127.0.0.1:9 cannot be reached (")
     assert warnings[0].endswith("; training goes on without it")
     assert run_summary(tmp_path / "run")["epochs"] == 2
+
+
+def test_tensorboard_s_failed_write_is_one_line_and_its_thread_prints_nothing(tmp_path, capfd):
+    """TensorBoard writes in a thread of its own; on a full disk that thread died with a traceback and the
+    next write raised a bare OSError. Now the next write is one line naming the files and the free space."""
+    from hvdtrain.io.atomic import WriteFailed
+    from hvdtrain.io.event_log import EventLog
+
+    record = {"epoch": 1, "step": 1, "train_loss": 0.5, "val_acc": 0.9}
+    log = EventLog(tmp_path, 0)
+    log.epoch(record)
+    events = next(tmp_path.glob("events.out.tfevents.*"))
+    events.unlink()
+    events.symlink_to("/dev/full")  # its writes fail with ENOSPC from here on
+    with pytest.raises(WriteFailed, match=r"events\.out\.tfevents\.\*: No space left on device \(.* free there\)"):
+        for step in range(2, 50):  # the thread's failure surfaces at a write after it
+            log.epoch({**record, "step": step})
+    assert "Traceback" not in capfd.readouterr().err
