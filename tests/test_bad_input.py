@@ -53,6 +53,8 @@ CASES = {
     "unknown model": (["--model", "resnet9000"], "unknown model 'resnet9000'"),
     "missing npz": (["--data", "absent.npz"], "data file 'absent.npz' does not exist"),
     "npz without x": (["--data", "{no_x}"], "has no array 'x'"),
+    "SparseAdam": (["--optimizer", "torch.optim:SparseAdam"], "optimizer factory 'torch.optim:SparseAdam' made a "
+                   "SparseAdam, which takes sparse gradients only, and gradients are allreduced dense"),
     "a table": (["--data", "{table}"], "a table (.csv) needs a data factory of yours that reads its columns into a "
                                       "Dataset (--data mymodule:data)"),
     "factory does not import": (["--data", "nowhere.module:make"], "module 'nowhere' not found"),

@@ -172,6 +172,9 @@ def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
     if not isinstance(made, torch.optim.Optimizer):
         raise UserError(f"optimizer factory '{cfg.name}' returned {type(made).__name__}: return a "
                         "torch.optim.Optimizer over the model's parameters")
+    if isinstance(made, torch.optim.SparseAdam):  # it refuses dense gradients at its first step, on every rank
+        raise UserError(f"optimizer factory '{cfg.name}' made a SparseAdam, which takes sparse gradients only, and "
+                        "gradients are allreduced dense: use torch.optim:Adam (or adamw), the same update on them")
     for group in made.param_groups:  # each group follows the schedule at its own ratio to optim.lr
         group.setdefault("lr_ratio", group["lr"] / cfg.lr)
     return made
