@@ -39,7 +39,8 @@ def _image(path: Path, size: tuple[int, int] = (8, 6), mode: str = "RGB", value:
 
 
 def test_classes_and_images_are_listed_as_torchvision_lists_them(tmp_path):
-    for name in ("b/2.JPG", "b/1.png", "a/x/3.webp", "a/0.jpeg", "C/9.jpg", "train_notes.txt", "C/readme.md"):
+    for name in ("b/2.JPG", "b/1.png", "a/x/3.webp", "a/0.jpeg", "C/9.jpg", "C/8.bmp", "a/7.TIF", "train_notes.txt",
+                 "C/readme.md"):
         if name.endswith((".txt", ".md")):
             (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / name).write_text("not an image")
@@ -47,8 +48,9 @@ def test_classes_and_images_are_listed_as_torchvision_lists_them(tmp_path):
             _image(tmp_path / name, mode="RGBA" if name.endswith(".webp") else "L" if name.endswith(".png") else "RGB")
     whole = build_part(DataConfig(name=str(tmp_path)), 0, "labels", "all")
     assert whole.classes == ["C", "a", "b"]  # sorted by code point, as torchvision sorts
-    assert [whole.file(i) for i in range(len(whole))] == ["C/9.jpg", "a/0.jpeg", "a/x/3.webp", "b/1.png", "b/2.JPG"]
-    assert whole.targets.tolist() == [0, 1, 1, 2, 2]
+    assert [whole.file(i) for i in range(len(whole))] == ["C/8.bmp", "C/9.jpg", "a/0.jpeg", "a/7.TIF", "a/x/3.webp",
+                                                          "b/1.png", "b/2.JPG"]
+    assert whole.targets.tolist() == [0, 0, 1, 1, 1, 2, 2]
     for index in range(len(whole)):  # grey, RGBA and RGB alike: 3 channels, uint8, (C, H, W)
         image, label = whole[index]
         assert (image.dtype, tuple(image.shape), label) == (torch.uint8, (3, 6, 8), whole.targets[index])

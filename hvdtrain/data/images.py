@@ -21,7 +21,8 @@ from torch.utils.data import Dataset
 from hvdtrain.data.mapped import split as strided_split
 from hvdtrain.errors import UserError
 
-EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
+EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+"""torchvision ImageFolder's (its IMG_EXTENSIONS), any case: a folder it reads is read whole here too."""
 OTHER_KINDS = ("x.npy", "dataset_info.json", "dataset_dict.json")
 """Files that make a directory another kind of data set (memory-mapped arrays, Hugging Face data)."""
 
