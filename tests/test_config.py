@@ -2,6 +2,7 @@ import pytest
 import yaml
 
 from hvdtrain.config import Config, describe, load_config, parse_assignment
+from hvdtrain.config.loading import read_yaml, write_yaml
 from hvdtrain.errors import UserError
 
 
@@ -59,6 +60,11 @@ def test_floats_written_without_a_dot_are_numbers_in_a_factory_s_own_arguments(t
     config = load_config(path, dict([parse_assignment("optim.args.weight_decay=5e-4")]))
     assert config.optim.args == {"eps": 1e-8, "betas": [0.9, 0.999], "weight_decay": 5e-4}
     assert parse_assignment("data.args.name=1e") == ("data.args.name", "1e")  # not a number: a string still
+    assert parse_assignment("data.args.commit=7e03841") == ("data.args.commit", "7e03841")  # a hash, not 7e3841
+    assert Config.from_dict({}, {"run.checkpoint_every_steps": read_yaml("1e3")}).run.checkpoint_every_steps == 1000
+    # Text that would read as a float is quoted where hvdtrain writes YAML (config.yaml): it reads back as text.
+    saved = {"data": {"name": "digits", "args": {"tag": "1e3"}}}
+    assert read_yaml(write_yaml(saved)) == saved
 
 
 def test_set_assignments_parse_as_yaml():

@@ -102,6 +102,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         accepted = (int,) if annotation is int else (int, float)
         if isinstance(value, accepted) and not isinstance(value, bool):
             return annotation(value)
+        if annotation is int and isinstance(value, float) and value.is_integer():  # 1e4 steps, read as a float
+            return int(value)
         if isinstance(value, str):
             try:
                 return annotation(value)

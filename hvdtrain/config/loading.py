@@ -21,13 +21,24 @@ class _Loader(yaml.SafeLoader):
     coercion), but a factory's own argument (`optim.args.eps: 1e-8`) reached it as a string."""
 
 
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+$"),
-                              list("-+0123456789"))
+class _Dumper(yaml.SafeDumper):
+    """Writes what `_Loader` reads back the same: text that would read as a float (`'1e3'`) is quoted."""
+
+
+# A float without a dot: 1e-3, 5E4, .5e3 (an exponent of 1 or 2 digits: a hash such as 7e03841 stays text).
+_FLOAT_WITHOUT_A_DOT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]{1,2}$")
+for _resolving in (_Loader, _Dumper):
+    _resolving.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_WITHOUT_A_DOT, list("-+.0123456789"))
 
 
 def read_yaml(text: str) -> Any:
     """YAML text as hvdtrain reads it (config files, --set values, saved runs)."""
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader
+
+
+def write_yaml(data: Any, **options: Any) -> str:
+    """YAML text that `read_yaml` reads back as `data`."""
+    return yaml.dump(data, Dumper=_Dumper, **options)
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
@@ -82,7 +93,7 @@ def describe() -> str:
         for name, value in defaults[section].items():
             for doc_line in docs.get(name, "").splitlines():
                 lines.append(f"  # {doc_line.strip()}")
-            dumped = yaml.safe_dump({name: value}, default_flow_style=True).strip()[1:-1]
+            dumped = write_yaml({name: value}, default_flow_style=True).strip()[1:-1]
             lines.append(f"  {dumped}")
         lines.append("")
     return "\n".join(lines)

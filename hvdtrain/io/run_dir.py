@@ -23,13 +23,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import yaml
-
 from hvdtrain.io import run_lock
 from hvdtrain.io.atomic import WriteFailed, atomic_write, make_dir, why_not_written
 from hvdtrain.io.checkpoint import CHECKPOINTS, CheckpointStore, best_entry
 from hvdtrain.io.mlflow_log import RUN_ID_FILE
 from hvdtrain.config import RunConfig
+from hvdtrain.config.loading import write_yaml
 from hvdtrain.engine.environment import torchrun_restarts
 from hvdtrain.errors import UserError
 
@@ -201,7 +200,7 @@ class RunFiles:
         """TensorBoard's EventLog, MLflowLog: each has epoch(record), steps(step, values) and close()."""
 
     def write_config(self, config: dict[str, Any]) -> None:
-        text = yaml.safe_dump(config, sort_keys=False)
+        text = write_yaml(config, sort_keys=False)
         atomic_write(self.path / "config.yaml", lambda handle: handle.write(text.encode()))
 
     def append_metrics(self, record: dict[str, Any]) -> None:

@@ -177,6 +177,7 @@ class Trainer:
         now = self._begin_epoch(epoch, step, resumed)
         train, val, step, seconds = self._train_and_evaluate(now)
         metrics = self._record(now, train, val, step, seconds, now.times)
+        self.engine.at(f"the end of epoch {epoch}")  # for a stall report: checkpoint, callbacks, the stop check
         last = epoch == self.config.train.epochs
         saved = epoch % self.config.run.checkpoint_every == 0 or last
         if saved:
