@@ -404,6 +404,20 @@ def test_torchrun_s_restarts_go_on_from_the_newest_checkpoint(uninterrupted, tmp
     assert_same_weights(final_weights(uninterrupted), final_weights(run_dir), atol=1e-6)
 
 
+@pytest.mark.parametrize("case", ["bad input", "a stop signal"])
+def test_torchrun_does_not_restart_what_a_restart_cannot_change(case, tmp_path):
+    """--max-restarts starts the workers again after any failure: bad input (status 2) printed its line once
+    per restart, and workers that stopped on a signal with a checkpoint (75) went on training."""
+    bad = ["--data", "nothere"] if case == "bad input" else []
+    env = {**launch_env(), "HVDTRAIN_TEST_SIGNAL": "" if bad else "1:5:SIGTERM", "HVDTRAIN_TEST_DROPOUT": "0.2"}
+    done = run(["torchrun", "--nproc-per-node", "2", "--max-restarts", "2", "hvdtrain", "fit", *ARGS, *bad,
+                "--run-dir", str(tmp_path / "run")], env=env, timeout=180)
+    output = done.stdout + done.stderr
+    assert done.returncode == (2 if bad else 75), output[-3000:]
+    assert output.count("hvdtrain: error: unknown data set" if bad else "hvdtrain: stopped by SIGTERM") == 1, output
+    assert "started the workers again" not in output
+
+
 def test_a_second_ctrl_c_as_the_ranks_have_left_is_no_crash(tmp_path):
     """Ctrl-C twice: the second came once the ranks had stopped on the first and left, and hvdtrain's
     horovodrun passed it to mpirun, which was ending the job: Open MPI's mpirun crashed in PMIx_Finalize (a

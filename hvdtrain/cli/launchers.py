@@ -28,6 +28,7 @@ from hvdtrain.cli import forwarding
 from hvdtrain.cli.forwarding import forward_to_ranks
 from hvdtrain.cli.leaving import leave_without_teardown
 from hvdtrain.cli.mpirun_child import MpirunAsChild
+from hvdtrain.errors import UserError
 
 STOPPED = 75  # every rank stopped on a signal with a checkpoint (hvdtrain.errors.StoppedBySignal)
 ANOTHER_RANK_FAILED = 76  # dist: a rank whose collective broke off as another failed (hvdtrain.errors)
@@ -199,6 +200,7 @@ def torchrun() -> None:
     if args.training_script == "hvdtrain" and not (args.no_python or args.module or os.path.isfile("hvdtrain")):
         args.module = True  # python -m hvdtrain: the same program as the `hvdtrain` command
     _grace_after_a_failure(args)
+    _no_restart_that_changes_nothing()
     # torchrun logs each failed worker at ERROR before it raises; the line below says it once.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     # torchrun's own handler raises in the agent and then ends the workers; passed on instead, the
@@ -244,6 +246,26 @@ def _grace_after_a_failure(args) -> None:
         close(context, death_sig, chosen)
 
     PContext.close = close_within_grace
+
+
+def _no_restart_that_changes_nothing() -> None:
+    """--max-restarts starts the workers again after any failure. Not after bad input (status 2: the
+    same line again, as often as allowed) nor after a stop on a signal with a checkpoint (75: a scheduler
+    or a user asked the job to end, and a restart would train on)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers
+
+    def monitored(agent: Any, worker_group: Any) -> Any:
+        result = monitor(agent, worker_group)
+        failures = getattr(result, "failures", None) or {}
+        # The first to fail decides; the others were stopped by the agent after it (SIGTERM).
+        first = min(failures.values(), key=lambda failure: failure.timestamp, default=None)
+        if first is not None and first.exitcode in (UserError.exit_code, STOPPED):
+            agent._remaining_restarts = 0
+        return result
+
+    LocalElasticAgent._monitor_workers = monitored
 
 
 def torchrun_outcome(failures: dict[int, object]) -> tuple[int, str | None]:

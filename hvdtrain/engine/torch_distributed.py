@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hvdtrain.engine.base import GradientSync
 from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.engine.buckets import BucketHooks, buckets, grads_with_flags, write_back
-from hvdtrain.engine.environment import launcher_facts, port_for_job, slurm_first_node
+from hvdtrain.engine.environment import launcher_facts, port_for_job, slurm_first_node, torchrun_restarts
 from hvdtrain.engine.parent_death import end_with_the_agent
 from hvdtrain.errors import RendezvousFailed, UserError, message_lines
 from hvdtrain.engine.activity import SET_UP_SECONDS, Activity
@@ -103,6 +103,10 @@ class TorchEngine(WatchedEngine):
         global _starts
         try:
             store, _, _ = next(dist.rendezvous(init_method, rank, size, timeout=timeout))
+            if torchrun_restarts():
+                # dist: torchrun's agent keeps its store across --max-restarts: the last attempt's keys (where each
+                # rank listened) are still there, and a new rank read a dead one's address and could not connect.
+                store = dist.PrefixStore(f"hvdtrain-restart-{torchrun_restarts()}/", store)
             if _starts:
                 # dist: a second fit in this process (the Python API) meets in the same store as the first:
                 # its own keys, or a rank could read where the other listened the first time and wait there.
