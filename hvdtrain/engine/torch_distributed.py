@@ -103,9 +103,7 @@ class TorchEngine(WatchedEngine):
         global _starts
         try:
             store, _, _ = next(dist.rendezvous(init_method, rank, size, timeout=timeout))
-            if torchrun_restarts():
-                # dist: torchrun's agent keeps its store across --max-restarts: the last attempt's keys (where each
-                # rank listened) are still there, and a new rank read a dead one's address and could not connect.
+            if torchrun_restarts():  # dist: the agent's store keeps the last attempt's keys (a dead rank's address)
                 store = dist.PrefixStore(f"hvdtrain-restart-{torchrun_restarts()}/", store)
             if _starts:
                 # dist: a second fit in this process (the Python API) meets in the same store as the first:
