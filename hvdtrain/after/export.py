@@ -58,7 +58,7 @@ def export(saved: SavedRun, fmt: str, path: Path, batch: Any) -> Exported:
     try:
         staging = tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-")
     except OSError as err:  # a read-only or full file system where the folder is already there
-        raise WriteFailed(path, why_not_written(err, path.parent) or str(err)) from err
+        raise WriteFailed.of(path, err) from err
     with staging as scratch:
         staged = Path(scratch) / path.name
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hvdtrain.after.runs import RunRecord
-from hvdtrain.io.atomic import WriteFailed, make_dir, why_not_written
+from hvdtrain.io.atomic import WriteFailed, make_dir
 
 # Record keys that are not curves.
 _SKIP = {"val_samples", "val_loss"}
@@ -73,7 +73,7 @@ def draw(runs: list[RunRecord], output: Path) -> None:
     try:
         figure.savefig(output, dpi=110)
     except OSError as err:
-        raise WriteFailed(output, why_not_written(err, output.parent) or str(err)) from err
+        raise WriteFailed.of(output, err) from err
     plt.close(figure)
 
 

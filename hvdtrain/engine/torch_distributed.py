@@ -103,8 +103,8 @@ class TorchEngine(WatchedEngine):
         global _starts
         try:
             store, _, _ = next(dist.rendezvous(init_method, rank, size, timeout=timeout))
-            if torchrun_restarts():  # dist: the agent's store keeps the last attempt's keys (a dead rank's address)
-                store = dist.PrefixStore(f"hvdtrain-restart-{torchrun_restarts()}/", store)
+            if restarts := torchrun_restarts():  # dist: the agent's store keeps the last attempt's addresses
+                store = dist.PrefixStore(f"hvdtrain-restart-{restarts}/", store)
             if _starts:
                 # dist: a second fit in this process (the Python API) meets in the same store as the first:
                 # its own keys, or a rank could read where the other listened the first time and wait there.

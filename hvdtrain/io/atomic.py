@@ -23,6 +23,13 @@ class WriteFailed(UserError):
         super().__init__(f"{failed} {path}: {reason}")
         self.reason = reason
 
+    @classmethod
+    def of(cls, path: Path, err: OSError, failed: str = "could not write",
+           directory: Path | None = None) -> "WriteFailed":
+        """For an OSError met writing `path`: its reason, with the free space of `directory` (`path`'s own)
+        where the disk is full."""
+        return cls(path, why_not_written(err, directory or path.parent) or str(err), failed)
+
 
 # How torch.save's archive writer words a write that failed (inline_container.cc).
 _TORCH_WRITER_FAILED = ("unexpected pos", "PytorchStreamWriter failed")
@@ -58,7 +65,7 @@ def make_dir(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise WriteFailed(path, why_not_written(err, path.parent) or str(err), "could not make the directory") from err
+        raise WriteFailed.of(path, err, "could not make the directory") from err
 
 
 def atomic_write(path: Path, write: Any) -> None:
@@ -70,7 +77,7 @@ def atomic_write(path: Path, write: Any) -> None:
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as err:
-        raise WriteFailed(path, why_not_written(err, path.parent) or str(err)) from err
+        raise WriteFailed.of(path, err) from err
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)

@@ -14,7 +14,7 @@ import contextlib
 from pathlib import Path
 from typing import Any, Iterator
 
-from hvdtrain.io.atomic import WriteFailed, why_not_written
+from hvdtrain.io.atomic import WriteFailed
 
 # Record keys that are counts or clocks, not curves worth a chart.
 _NOT_CURVES = {"epoch", "epochs", "step", "world_size", "val_samples", "train_samples", "elapsed_s"}
@@ -56,8 +56,7 @@ class EventLog:
         try:
             yield
         except OSError as err:
-            raise WriteFailed(self.run_dir / "events.out.tfevents.*",
-                              why_not_written(err, self.run_dir) or str(err)) from err
+            raise WriteFailed.of(self.run_dir / "events.out.tfevents.*", err) from err
 
 
 def _quiet_writer_thread() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from hvdtrain.io import run_lock
-from hvdtrain.io.atomic import WriteFailed, atomic_write, make_dir, why_not_written
+from hvdtrain.io.atomic import WriteFailed, atomic_write, make_dir
 from hvdtrain.io.checkpoint import CHECKPOINTS, CheckpointStore, best_entry
 from hvdtrain.io.mlflow_log import RUN_ID_FILE
 from hvdtrain.config import RunConfig
@@ -187,7 +187,7 @@ def _fresh_default_dir() -> Path:
         except FileExistsError:
             continue
         except OSError as err:
-            raise WriteFailed(path, why_not_written(err, Path.cwd()) or str(err), "could not make the directory") from err
+            raise WriteFailed.of(path, err, "could not make the directory", directory=Path.cwd()) from err
     raise UserError("could not find a free run directory under runs/: pass --run-dir")
 
 
@@ -208,7 +208,7 @@ class RunFiles:
             with open(self.path / METRICS, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record) + "\n")
         except OSError as err:  # a line torn by it is dropped on resume
-            raise WriteFailed(self.path / METRICS, why_not_written(err, self.path) or str(err)) from err
+            raise WriteFailed.of(self.path / METRICS, err) from err
         for tracker in self.trackers:
             tracker.epoch(record)
 
