@@ -227,3 +227,33 @@ def test_a_non_finite_loss_from_non_finite_data_blames_the_data_not_the_learning
     assert re.search(r"non-finite loss at step \d+ on rank 0 \(loss nan\): the data holds NaN or Inf \(rank 0's "
                      r"sample \d+ of its batch\)", err), err
     assert "lower --lr" not in err and "Traceback" not in err
+
+
+def _fit_whose_reader_leaves(prefix: list[str], run_dir, stdout_ours, stdout_theirs) -> tuple[int, str]:
+    """`hvdtrain fit` (3 epochs) writing into `stdout_theirs`; once its first line is read from
+    `stdout_ours`, that end is closed: the lines that follow meet a reader that has gone."""
+    with open(run_dir.parent / f"{run_dir.name}.err", "w+") as err:
+        process = subprocess.Popen([*prefix, "hvdtrain", "fit", *RANDOM[:-4], "--epochs", "3",
+                                    "--run-dir", str(run_dir)], env=launch_env(), stdout=stdout_theirs, stderr=err)
+        os.close(stdout_theirs)
+        first = os.read(stdout_ours, 4096)
+        os.close(stdout_ours)
+        status = process.wait(timeout=180)
+        err.seek(0)
+        return status, first.decode() + err.read()
+
+
+@pytest.mark.multiprocess
+def test_fit_goes_on_when_the_reader_of_its_output_goes_away(tmp_path):
+    """`hvdtrain fit | head -1` under torchrun (EPIPE), and a job whose terminal closed under it (EIO): a
+    worker ended with status 1 and not a word at its next line (click's way with EPIPE), before its next
+    checkpoint; under mpirun, which keeps reading, the ranks went on. Now the run goes on to its end, and
+    one line on stderr says where the lines went."""
+    ours, theirs = os.pipe()
+    status, output = _fit_whose_reader_leaves(["torchrun", "--nproc-per-node", "2"], tmp_path / "pipe", ours, theirs)
+    assert status == 0 and "reader has gone (a closed pipe)" in output and "Traceback" not in output, output
+    assert run_summary(tmp_path / "pipe")["epochs"] == 3
+    ours, theirs = os.openpty()  # closing the terminal's side makes the job's writes fail with EIO
+    status, output = _fit_whose_reader_leaves([], tmp_path / "terminal", ours, theirs)
+    assert status == 0 and "reader has gone (a terminal that hung up)" in output, output
+    assert run_summary(tmp_path / "terminal")["epochs"] == 3
