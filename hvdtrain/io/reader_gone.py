@@ -1,11 +1,11 @@
-"""When whoever reads the `hvdtrain` command's output goes away, the command goes on without printing.
+"""When whoever reads `hvdtrain fit`'s output goes away, the run goes on without printing.
 
 `hvdtrain fit | head`, a `| tee log` ended by the same Ctrl-C that stops the run, a terminal closed
 under a job: the next line printed meets EPIPE (EIO from a hung-up terminal). click ends a command at
 EPIPE with status 1 and not a word, so a run died there, before its next checkpoint, and a stop on a
 signal ended with 1, not 75; ranks under mpirun went on, as mpirun keeps reading. So the stream that
-fails is pointed at /dev/null and the command goes on; where stdout went, one line on stderr says so.
-The command's own process only: a script's streams are the script's.
+fails is pointed at /dev/null and the run goes on; where stdout went, one line on stderr says so.
+The fit command's own process only: a script's streams are the script's.
 """
 
 from __future__ import annotations
@@ -68,6 +68,6 @@ class _Outliving:
             pass
         if self._name == "stdout":
             reader = "a closed pipe" if err.errno == errno.EPIPE else "a terminal that hung up"
-            sys.stderr.write(f"hvdtrain: standard output's reader has gone ({reader}): the command goes on "
-                             "without printing (a run's epoch lines are kept in its metrics.jsonl)\n")
+            sys.stderr.write(f"hvdtrain: standard output's reader has gone ({reader}): the run goes on "
+                             "without printing; its epoch lines are kept in its metrics.jsonl\n")
             sys.stderr.flush()
