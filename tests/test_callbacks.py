@@ -65,7 +65,25 @@ def test_a_callback_without_a_hook_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "hvdtrain: error: callback 'user_code:NoHooks' has none of the methods on_fit_start, on_step_end, "
-        "on_epoch_end, on_checkpoint, on_fit_end: define at least one (each takes the state; see README, Callbacks)")
+        "on_epoch_end, on_checkpoint, on_fit_end; on_epoch_start is none of them: define at least one (each takes "
+        "the state; see README, Callbacks)")
+
+
+def test_a_hook_that_cannot_take_its_arguments_is_refused_before_training_not_at_its_first_call(tmp_path, capsys):
+    """on_fit_end(self, state) failed with a TypeError once every epoch had been trained."""
+    with pytest.raises(SystemExit) as leaving:
+        main(["fit", *LOCAL, *SMALL, "--callback", "user_code:EndWithoutSummary", "--run-dir", str(tmp_path / "run")])
+    assert leaving.value.code == 2 and not (tmp_path / "run").exists()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "hvdtrain: error: callback 'user_code:EndWithoutSummary': EndWithoutSummary.on_fit_end(state) cannot be "
+        "called as on_fit_end(state, summary), as hvdtrain calls it: give it those parameters (see README, Callbacks)")
+
+
+def test_a_method_named_like_a_hook_that_hvdtrain_never_calls_is_warned_of(tmp_path, capsys):
+    main(["fit", *LOCAL, *SMALL, "--epochs", "1", "--callback", "user_code:KerasNames", "--run-dir",
+          str(tmp_path / "run")])
+    assert ("hvdtrain: warning: hvdtrain never calls KerasNames.on_train_end: a callback's hooks are on_fit_start, "
+            "on_step_end, on_epoch_end, on_checkpoint, on_fit_end (see README, Callbacks)") in capsys.readouterr().out
 
 
 @pytest.mark.multiprocess

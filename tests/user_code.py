@@ -759,6 +759,21 @@ class NoHooks:
         pass
 
 
+class EndWithoutSummary:
+    def on_fit_end(self, state):  # hvdtrain calls on_fit_end(state, summary)
+        pass
+
+
+class KerasNames:
+    """One hook hvdtrain calls, and one it never does (Keras' name for the end of training)."""
+
+    def on_epoch_end(self, state):
+        pass
+
+    def on_train_end(self, logs=None):
+        pass
+
+
 def two_groups(model, lr):
     """A user's optimizer: the last layer at a tenth of the lr of the rest."""
     head = list(model.parameters())[-2:]

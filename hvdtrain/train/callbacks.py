@@ -32,7 +32,11 @@ from torch import nn
 from hvdtrain.errors import FailedAt, UserError, message_lines, where
 from hvdtrain.factory import resolve_factory
 
-HOOKS = ("on_fit_start", "on_step_end", "on_epoch_end", "on_checkpoint", "on_fit_end")
+# Each hook with the arguments it is given: a method that cannot take them is refused at the start, not
+# hours later at the first call (on_fit_end at the very end).
+HOOK_ARGUMENTS = {"on_fit_start": ("state",), "on_step_end": ("state",), "on_epoch_end": ("state",),
+                  "on_checkpoint": ("state", "path"), "on_fit_end": ("state", "summary")}
+HOOKS = tuple(HOOK_ARGUMENTS)
 
 
 class StoppedEarly(Exception):
@@ -124,6 +128,11 @@ class Callbacks:
             return reasons[0]
         return next(f"{reason} (rank {rank})" for rank, reason in enumerate(reasons) if reason is not None)
 
+    def hooks_never_called(self) -> list[str]:
+        """Each callback's methods named like a hook that none of HOOKS is (Keras' or Lightning's names,
+        a typo): hvdtrain never calls them."""
+        return [f"{_name(callback)}.{name}" for callback in self.callbacks for name in _unknown_hooks(callback)]
+
     def resume_early_stopping(self, best: dict[str, Any] | None) -> None:
         for callback in self.callbacks:
             if isinstance(callback, EarlyStopping):
@@ -178,9 +187,33 @@ def _made(path: str) -> Any:
             raise UserError(f"callback '{path}': making it raised {type(err).__name__}: {err} (it is called with no "
                             "arguments)") from err
     if not _has_hook(found):
-        raise UserError(f"callback '{path}' has none of the methods {', '.join(HOOKS)}: define at least one "
-                        "(each takes the state; see README, Callbacks)")
+        unknown = "".join(f"; {name} is none of them" for name in _unknown_hooks(found))
+        raise UserError(f"callback '{path}' has none of the methods {', '.join(HOOKS)}{unknown}: define at least "
+                        "one (each takes the state; see README, Callbacks)")
+    for hook, arguments in HOOK_ARGUMENTS.items():
+        _check_takes(found, path, hook, arguments)
     return found
+
+
+def _check_takes(callback: Any, path: str, hook: str, arguments: tuple[str, ...]) -> None:
+    method = getattr(callback, hook, None)
+    if not callable(method):
+        return
+    try:
+        signature = inspect.signature(method)
+    except (TypeError, ValueError):  # a builtin or an extension's method: taken on trust
+        return
+    try:
+        signature.bind(*arguments)
+    except TypeError:
+        raise UserError(f"callback '{path}': {_name(callback)}.{hook}{signature} cannot be called as "
+                        f"{hook}({', '.join(arguments)}), as hvdtrain calls it: give it those parameters "
+                        "(see README, Callbacks)") from None
+
+
+def _unknown_hooks(callback: Any) -> list[str]:
+    return [name for name in dir(callback) if name.startswith("on_") and name not in HOOK_ARGUMENTS
+            and callable(getattr(callback, name, None))]
 
 
 def _has_hook(thing: Any) -> bool:

@@ -15,7 +15,8 @@ from hvdtrain.config import Config
 from hvdtrain.engine import Engine
 from hvdtrain.io.mlflow_log import require_mlflow
 from hvdtrain.io.run_dir import TIMELINE
-from hvdtrain.train.callbacks import Callbacks, StoppedEarly, build_callbacks
+from hvdtrain.train.callbacks import HOOKS, Callbacks, StoppedEarly, build_callbacks
+from hvdtrain.train.loggers import warn
 from hvdtrain.train.setup import unwrapped
 from hvdtrain.train.stop_policy import StopPolicy, StopSignals
 from hvdtrain.train.summary import Totals
@@ -48,6 +49,11 @@ def _set_up(trainer: Trainer) -> Callbacks:
     with engine.agree("data"):
         trainer.check_same_data()
     callbacks.settle(engine)
+    never = callbacks.hooks_never_called()
+    if engine.rank == 0 and never:
+        more = f" and {len(never) - 4} more" if len(never) > 5 else ""
+        warn(f"hvdtrain never calls {', '.join(never[:4] if more else never)}{more}: a callback's hooks are "
+             f"{', '.join(HOOKS)} (see README, Callbacks)")
     if config.train.sync_batchnorm:  # dist: from here on a BatchNorm forward is a collective
         synchronize_batchnorm(unwrapped(trainer.run.model), engine)
     return callbacks
