@@ -71,6 +71,11 @@ CASES = {
     "resume and overwrite": (["--resume", "--overwrite"], "exclude each other"),
     "unknown flag": (["--epochz", "3"], "No such option '--epochz'. (Did you mean one of: '--epochs'"),
     "elastic without its launcher": (["--elastic"], "--elastic needs processes started by horovodrun in elastic mode"),
+    "DataLoaders for data sets": (["--data", "user_code:loaders_pair"], "its train set is a DataLoader: return its "
+                                  "data set (loader.dataset): hvdtrain makes the loaders"),
+    "Keras' (x, y)": (["--data", "user_code:keras_arrays"], "returned a tuple of 2 arrays of 64 rows, not a data set: "
+                                                           "make them one, torch.utils.data.TensorDataset("),
+    "a pair of (x, y) arrays": (["--data", "user_code:arrays_pair"], "its train set is a tuple of 2 arrays of 64 rows"),
     "iterable data set": (["--data", "user_code:stream"], "returned an IterableDataset without a length: hvdtrain needs len()"),
     "negative stall timeout": (["--set", "train.stall_timeout=-5"], "config key 'train.stall_timeout' must be 0 (off) or more"),
     "unknown task": (["--task", "ranking"], "unknown task 'ranking': use one of classification, regression"),

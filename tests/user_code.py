@@ -259,6 +259,28 @@ def int_labels():
     return IntLabels()
 
 
+def _x_and_y(samples: int = 64) -> tuple:
+    """Numpy arrays, as a user loads them."""
+    x = torch.randn(samples, 4, generator=torch.Generator().manual_seed(0))
+    return x.numpy(), (x[:, 0] > 0).long().numpy()
+
+
+def keras_arrays():
+    """(x, y) as Keras' fit takes them: not a (train, val) pair of data sets."""
+    return _x_and_y()
+
+
+def arrays_pair():
+    """A (train, val) pair of (x, y) arrays each."""
+    return _x_and_y(64), _x_and_y(16)
+
+
+def loaders_pair():
+    """A (train, val) pair of DataLoaders: hvdtrain makes the loaders itself."""
+    train, val = (torch.utils.data.TensorDataset(*map(torch.as_tensor, _x_and_y(n))) for n in (64, 16))
+    return torch.utils.data.DataLoader(train, batch_size=8), torch.utils.data.DataLoader(val, batch_size=8)
+
+
 def needs_num_classes(input_shape, num_classes):
     return tiny_net(input_shape, num_classes)
 

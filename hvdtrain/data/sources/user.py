@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.data import ConcatDataset, Dataset, IterableDataset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset
 
 from hvdtrain.config import DataConfig
 from hvdtrain.data import introspect
@@ -28,6 +28,9 @@ class UserFactory:
         if isinstance(made, IterableDataset) or (isinstance(made, tuple) and any(isinstance(part, IterableDataset)
                                                                                    for part in made)):
             return _from_iterable(cfg, made, seed, target_key)
+        if _arrays(made):  # (x, y) as Keras takes them would read as a (train, val) pair without targets
+            raise UserError(f"data factory '{cfg.name}' returned {_loader_hint(made)[2:]}; return it, or a (train, "
+                            "val) pair of such")
         if isinstance(made, tuple) and len(made) == 2:
             train, val = made
         elif isinstance(made, Dataset):
@@ -35,9 +38,11 @@ class UserFactory:
         else:
             raise UserError(
                 f"data factory '{cfg.name}' returned {type(made).__name__}: "
-                "return a torch Dataset or a (train, val) pair of them"
+                f"return a torch Dataset or a (train, val) pair of them{_loader_hint(made)}"
             )
         for part, name in ((train, "train"), (val, "val")):
+            if isinstance(part, DataLoader) or _arrays(part):
+                raise UserError(f"data factory '{cfg.name}': its {name} set is {_loader_hint(part)[2:]}")
             if not hasattr(part, "__getitem__") or not hasattr(part, "__len__"):
                 raise UserError(f"data factory '{cfg.name}': its {name} set is not a map-style Dataset (needs "
                                 "__getitem__ and __len__): hvdtrain shards by index so that every rank gets the same "
@@ -53,6 +58,28 @@ class UserFactory:
         parts = [StreamDataset(_whole_stream(part, cfg), seed) if isinstance(part, IterableDataset) else part
                  for part in parts]
         return parts[0] if len(parts) == 1 else ConcatDataset(parts)
+
+
+def _loader_hint(made: Any) -> str:
+    """What a factory that returned a DataLoader, or (x, y) arrays, should return instead ("" otherwise)."""
+    if isinstance(made, DataLoader):
+        return ("; a DataLoader: return its data set (loader.dataset): hvdtrain makes the loaders, with "
+                "--batch-size per process and a sampler that shards by rank")
+    sizes = _arrays(made)
+    if sizes:
+        return (f"; a tuple of {len(made)} arrays of {sizes[0]:,} rows, not a data set: make them one, "
+                "torch.utils.data.TensorDataset(*(torch.as_tensor(a) for a in arrays))")
+    return ""
+
+
+def _arrays(made: Any) -> list[int]:
+    """The leading sizes of a tuple of arrays or tensors of as many rows each (Keras' (x, y)), else []."""
+    if not isinstance(made, tuple) or not made or not all(hasattr(part, "shape") and len(part.shape) >= 1
+                                                          for part in made):
+        return []
+    sizes = [int(part.shape[0]) for part in made]
+    shapes = {tuple(part.shape) for part in made}  # train and val tensors alike in shape are a (train, val) pair
+    return sizes if len(set(sizes)) == 1 and sizes[0] > len(made) and len(shapes) > 1 else []
 
 
 def _made(cfg: DataConfig) -> Any:
