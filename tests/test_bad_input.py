@@ -76,6 +76,8 @@ CASES = {
     "Keras' (x, y)": (["--data", "user_code:keras_arrays"], "returned a tuple of 2 arrays of 64 rows, not a data set: "
                                                            "make them one, torch.utils.data.TensorDataset("),
     "a pair of (x, y) arrays": (["--data", "user_code:arrays_pair"], "its train set is a tuple of 2 arrays of 64 rows"),
+    "a model built in half precision": (["--model", "user_code:half_net"], "a model built in float16 or bfloat16 "
+                                        "(.half()) meets float32 inputs: build it in float32 and train with --precision"),
     "iterable data set": (["--data", "user_code:stream"], "returned an IterableDataset without a length: hvdtrain needs len()"),
     "negative stall timeout": (["--set", "train.stall_timeout=-5"], "config key 'train.stall_timeout' must be 0 (off) or more"),
     "unknown task": (["--task", "ranking"], "unknown task 'ranking': use one of classification, regression"),

@@ -281,6 +281,11 @@ def loaders_pair():
     return torch.utils.data.DataLoader(train, batch_size=8), torch.utils.data.DataLoader(val, batch_size=8)
 
 
+def half_net(input_shape, num_classes):
+    """Built in float16, as `.half()` makes it, for float32 data."""
+    return tiny_net(input_shape, num_classes).half()
+
+
 def needs_num_classes(input_shape, num_classes):
     return tiny_net(input_shape, num_classes)
 

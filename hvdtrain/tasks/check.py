@@ -11,6 +11,7 @@ has no validation batch.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -90,6 +91,11 @@ def guarded(task: Task, what: str, call: Callable[[], Any], batch: Any, stage: s
         elif "double" in str(err).lower() and any(tensor.dtype == torch.float64 for tensor in tensors_in(batch)):
             hint = ("; the batch holds float64 (NumPy's default) where the model's weights are float32: return "
                     "float32 from your Dataset (x.astype(np.float32), or torch.as_tensor(x, dtype=torch.float32))")
+        elif re.search(r"\b(Half|BFloat16)\b", str(err)) and any(tensor.dtype == torch.float32
+                                                                 for tensor in tensors_in(batch)):
+            hint = ("; a model built in float16 or bfloat16 (.half()) meets float32 inputs: build it in float32 and "
+                    "train with --precision fp16 or bf16 (autocast computes in half precision and keeps the weights "
+                    "float32, which the optimizer's small updates need)")
         return f"; the batch was {describe(batch)}{hint}"
 
     return users_code(f"the first {stage} batch failed in {what} (task {task.name})", call, described)
