@@ -52,6 +52,24 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(listing)
 
 
+def test_a_data_path_found_only_next_to_the_config_file_says_so(tmp_path, monkeypatch):
+    """Relative paths are the working directory's; a job started from elsewhere read `data file
+    'data/x.npz' does not exist`, with no word of where it was looked for."""
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "data" / "x.npz").write_bytes(b"")
+    (project / "run.yaml").write_text("data:\n  name: data/x.npz\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as refused:
+        load_config("project/run.yaml")
+    assert str(refused.value) == (
+        f"data.name 'data/x.npz' in project/run.yaml is not in the working directory ({tmp_path}), but is next to the "
+        f"config file: paths are the working directory's; run from {project}, or write it as {project}/data/x.npz")
+    assert load_config("project/run.yaml", {"data.name": "elsewhere.npz"}).data.name == "elsewhere.npz"
+    monkeypatch.chdir(project)
+    assert load_config("run.yaml").data.name == "data/x.npz"
+
+
 def test_floats_written_without_a_dot_are_numbers_in_a_factory_s_own_arguments(tmp_path):
     """YAML 1.1 (PyYAML's) reads `1e-8` as a string: `optim.args.eps: 1e-8` reached Adam as '1e-8'
     ("'<=' not supported between 'float' and 'str'"). Read as YAML 1.2 and Python do, from a file and --set."""

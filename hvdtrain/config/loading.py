@@ -56,7 +56,23 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             raise UserError(f"config file '{path}' is not valid YAML{where}: fix its syntax") from err
         if not isinstance(raw, dict):
             raise UserError(f"config file '{path}' must hold a mapping of sections (data, model, ...), not {type(raw).__name__}")
+        if "data.name" not in (overrides or {}):
+            _data_beside_the_config_file(path, raw.get("data"))
     return Config.from_dict(raw, overrides)
+
+
+def _data_beside_the_config_file(path: Path, data: Any) -> None:
+    """Relative paths are the working directory's, as on the command line; a data path found only next to
+    the config file is that mistake (the job started from elsewhere), said before anything starts."""
+    name = data.get("name") if isinstance(data, dict) else None
+    if not isinstance(name, str) or ":" in name or not ("/" in name or Path(name).suffix):
+        return
+    relative = Path(name).expanduser()
+    if relative.is_absolute() or relative.exists() or not (path.parent / relative).exists():
+        return
+    raise UserError(f"data.name '{name}' in {path} is not in the working directory ({Path.cwd()}), but is next to the "
+                    f"config file: paths are the working directory's; run from {path.parent.resolve()}, or write it "
+                    f"as {(path.parent / relative).resolve()}")
 
 
 def saved_run_overrides(overrides: dict[str, Any], device: str) -> dict[str, Any]:
