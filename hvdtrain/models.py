@@ -46,6 +46,12 @@ class ModelShapes:
                    raw.get("num_outputs"))
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The module itself, without torch.compile's wrapper (`--compile`'s, or a factory's own): checkpoints
+    keep plain names, and evaluate, predict and export load them into it."""
+    return getattr(model, "_orig_mod", model)
+
+
 def build_model(cfg: ModelConfig, input_shape: tuple[int, ...] | None, num_classes: int | None,
                 num_outputs: int | None = None) -> nn.Module:
     """The model the config names; call it with the same seed on every rank.

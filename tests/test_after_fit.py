@@ -195,6 +195,19 @@ def test_a_run_on_data_named_from_its_directory_is_evaluated_from_any_other(tmp_
     assert f"of {work / 'blobs.npz'} (val)" in capsys.readouterr().out
 
 
+def test_a_model_its_factory_compiled_is_evaluated_predicted_and_exported(tmp_path, capsys):
+    """fit saves a compiled model's plain weights; evaluate, predict and export loaded them into the factory's
+    compiled wrapper, whose names all start `_orig_mod.`, and refused the checkpoint as not fitting."""
+    run_dir = tmp_path / "run"
+    main(["fit", *LOCAL, "--data", "user_code:blobs", "--model", "user_code:compiled_net", "--epochs", "1",
+          "--batch-size", "16", "--run-dir", str(run_dir)])
+    main(["evaluate", str(run_dir), "--output", str(tmp_path / "e.json")])
+    assert json.loads((tmp_path / "e.json").read_text())["acc"] == run_summary(run_dir)["val_acc"]
+    main(["predict", str(run_dir), "--output", str(tmp_path / "p.npy")])
+    main(["export", str(run_dir), "--format", "safetensors", "--output", str(tmp_path / "m.safetensors")])
+    assert np.load(tmp_path / "p.npy").shape[0] > 0 and (tmp_path / "m.safetensors").is_file()
+
+
 # --- plot and runs -------------------------------------------------------------------------
 
 

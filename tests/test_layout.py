@@ -93,7 +93,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_circle():
     graph = _graph()
-    assert "hvdtrain.train.fit" in graph and "hvdtrain.train.setup" in graph["hvdtrain.train.plain"]
+    assert "hvdtrain.train.fit" in graph and "hvdtrain.train.setup" in graph["hvdtrain.train.checkpointer"]
     cycle = _cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 

@@ -281,6 +281,11 @@ def loaders_pair():
     return torch.utils.data.DataLoader(train, batch_size=8), torch.utils.data.DataLoader(val, batch_size=8)
 
 
+def compiled_net(input_shape, num_classes):
+    """A factory that compiles its model itself (the eager backend: no compiler needed)."""
+    return torch.compile(tiny_net(input_shape, num_classes), backend="eager")
+
+
 def half_net(input_shape, num_classes):
     """Built in float16, as `.half()` makes it, for float32 data."""
     return tiny_net(input_shape, num_classes).half()

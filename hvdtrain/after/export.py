@@ -125,12 +125,12 @@ def _safetensors_load(saved: SavedRun, path: Path, args: tuple, kwargs: dict) ->
     from safetensors.torch import load_model
 
     from hvdtrain.config import Config
-    from hvdtrain.models import ModelShapes
+    from hvdtrain.models import ModelShapes, unwrapped
 
     with safe_open(str(path), "pt") as handle:
         metadata = handle.metadata()
     config = Config.from_dict(json.loads(metadata["hvdtrain.config"]))
-    model = ModelShapes.from_dict(json.loads(metadata["hvdtrain.shapes"])).build(config.model)
+    model = unwrapped(ModelShapes.from_dict(json.loads(metadata["hvdtrain.shapes"])).build(config.model))
     load_model(model, str(path))
     return _call(model.to(_device_of(args, kwargs)).eval(), args, kwargs)
 

@@ -24,6 +24,7 @@ from hvdtrain.engine import Engine
 from hvdtrain.errors import UserError, message_lines
 from hvdtrain.models import ModelShapes
 from hvdtrain.tasks import Task, build_task
+from hvdtrain.models import unwrapped
 
 
 @dataclass
@@ -52,7 +53,7 @@ def open_run(engine: Engine, run_dir: str | Path, which: str = "best",
         task = build_task(config.task)
         shapes = ModelShapes.from_dict(meta["shapes"])
         torch.manual_seed(config.train.seed)
-        model = shapes.build(config.model)
+        model = unwrapped(shapes.build(config.model))  # a factory's torch.compile: its plain module, as fit saved
         if state is not None:
             _load_weights(model, state["model"], meta["path"])
         model = model.to(engine.device).eval()

@@ -27,7 +27,8 @@ from hvdtrain.train.loggers import StepLog
 from hvdtrain.train.loop import EpochSums
 from hvdtrain.train.random_state import rng_state
 from hvdtrain.train.running_stats import share_running_stats
-from hvdtrain.train.setup import Run, unwrapped
+from hvdtrain.models import unwrapped
+from hvdtrain.train.setup import Run
 
 POLL_SECONDS = 0.5
 WRITER_JOIN_SECONDS = 60.0  # how long a failing rank 0 lets its write finish before it goes on

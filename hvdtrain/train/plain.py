@@ -17,7 +17,7 @@ from hvdtrain.io.mlflow_log import require_mlflow
 from hvdtrain.io.run_dir import TIMELINE
 from hvdtrain.train.callbacks import HOOKS, Callbacks, StoppedEarly, build_callbacks
 from hvdtrain.train.loggers import warn
-from hvdtrain.train.setup import unwrapped
+from hvdtrain.models import unwrapped
 from hvdtrain.train.stop_policy import StopPolicy, StopSignals
 from hvdtrain.train.summary import Totals
 from hvdtrain.train.sync_batchnorm import synchronize_batchnorm

@@ -25,7 +25,7 @@ from hvdtrain.engine import Engine, GradientSync
 from hvdtrain.errors import UserError
 from hvdtrain.factory import call_factory
 from hvdtrain.io.progress import mib
-from hvdtrain.models import ModelShapes
+from hvdtrain.models import ModelShapes, unwrapped
 from hvdtrain.tasks import Task, build_task
 from hvdtrain.tasks.check import FirstBatch, best_metric, check_first_batch
 from hvdtrain.numerics.precision import Precision
@@ -207,8 +207,3 @@ def keep_learning_rate(config: Config, lr_batch: int) -> None:
     number of processes with the same global batch the learning rate stays the same."""
     if lr_batch and config.optim.lr_batch is None:
         config.optim.lr_batch = lr_batch
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The module itself, without torch.compile's wrapper (checkpoints keep plain names)."""
-    return getattr(model, "_orig_mod", model)
