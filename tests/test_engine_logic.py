@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -215,3 +218,35 @@ def test_backward_under_the_torch_engine_s_gradient_hooks_never_waits_for_the_gp
             assert torch.allclose(param.grad, expected, rtol=1e-2 if exchange == "bf16" else 1e-5, atol=1e-6), name
     finally:
         dist.destroy_process_group()
+
+
+_SHUTDOWN_THAT_HANGS = """
+import time
+import torch
+import hvdtrain.engine as engines
+from hvdtrain.engine.local import LocalEngine
+
+class HangsInShutdown(LocalEngine):
+    def shutdown(self, finished=False):
+        time.sleep(120)  # as Horovod's, in MPI_Finalize for a rank that deadlocked inside Horovod
+
+def report(err):
+    print("hvdtrain: error: rank 1 failed", flush=True)
+    raise SystemExit(3)
+
+engines.FAILED_SHUTDOWN_SECONDS = 1.0
+engines.start_engine = lambda **settings: HangsInShutdown(torch.device("cpu"))
+with engines.running_engine(report, process_goes_on=False):
+    raise RuntimeError("a data-loader worker was killed")
+"""
+
+
+def test_a_rank_leaving_on_its_failure_exits_by_the_deadline_when_the_shutdown_hangs():
+    """A rank deadlocked inside Horovod (its main thread holding Python's lock as it enqueued a collective,
+    Horovod's thread finalizing on the failure waiting for that lock) held the failed rank in MPI_Finalize for
+    ever, and the job with it: no watchdog of Python's runs in the deadlocked rank, and the launcher waits
+    for a rank to exit. The failed rank, its line said, now exits with its status."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _SHUTDOWN_THAT_HANGS], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and done.stdout == "hvdtrain: error: rank 1 failed\n", done
+    assert time.monotonic() - started < 30

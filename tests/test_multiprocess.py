@@ -309,6 +309,21 @@ def test_a_data_set_failing_mid_epoch_on_one_rank_is_one_line_naming_where(launc
     _assert_ends_naming_rank_1(output, launcher, "exited with status 1")
 
 
+@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+def test_a_data_loader_worker_killed_while_its_rank_waits_in_the_allreduce_is_named_by_that_rank(launcher, tmp_path):
+    """torch's handler for a dead worker raises inside Horovod's wait, which raises every RuntimeError again as
+    HorovodInternalError: rank 1 took its own failure for another rank's and left without a word, and rank 0
+    said that another rank had failed. No rank said what."""
+    done = fit_under(launcher, "--data", "user_code:worker_killed_on_rank_one", "--model", "user_code:slow_on_rank_zero",
+                     "--batch-size", "16", "--num-workers", "1", "--run-dir", str(tmp_path / "r"), timeout=90)
+    output = done.stdout + done.stderr
+    errors = [line for line in output.splitlines() if "hvdtrain: error:" in line]
+    assert done.returncode == 1 and len(errors) == 1, output[-3000:]
+    assert re.search(r"rank 1 failed at epoch 1, step \d+: a data-loader worker was killed \(Killed: often the "
+                     r"kernel's out-of-memory killer\)", errors[0]), errors[0]
+    assert "Traceback" not in output
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
 def test_a_finished_torch_engine_run_exits_zero_with_no_thread_left(launcher, tmp_path):
     """A finished run's ranks leave no thread behind at exit (a watchdog thread inside a store call

@@ -377,6 +377,48 @@ class CorruptOnRankOne(Blobs):
         return super().__getitem__(index)
 
 
+class WorkerKilledOnRankOne(Blobs):
+    """Rank 1's data-loader worker is killed (SIGKILL, as the out-of-memory killer sends it) at its 40th read,
+    in the third batch, which it loads while rank 1 waits in the gradient allreduce for a slow rank 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __getitem__(self, index):
+        import os
+        import signal
+        import time
+
+        self.reads += 1
+        if _rank() == 1 and self.reads == 40 and torch.utils.data.get_worker_info() is not None:
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(index)
+
+
+def worker_killed_on_rank_one():
+    return WorkerKilledOnRankOne()
+
+
+class _SlowOnRankZero(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        if self.training and _rank() == 0:
+            import time
+
+            time.sleep(1.5)
+        return self.inner(x)
+
+
+def slow_on_rank_zero(input_shape, num_classes):
+    """Rank 0 takes 1.5 s over each training step: the other ranks wait for it in the allreduce."""
+    return _SlowOnRankZero(tiny_net(input_shape, num_classes))
+
+
 def corrupt_on_rank_one():
     return CorruptOnRankOne()
 

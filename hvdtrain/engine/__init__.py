@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -112,12 +114,37 @@ def running_engine(on_failure: Callable[[Exception], None] | None = None, **engi
         # Stopped by a signal, every rank at the same step: as orderly an end as a finished run.
         finished = isinstance(err, StoppedBySignal)
         if on_failure is not None:
-            on_failure(err)
+            try:
+                on_failure(err)
+            except SystemExit as leaving:
+                if not finished and not engine_args.get("process_goes_on"):
+                    _leave_by_a_deadline(leaving.code if isinstance(leaving.code, int) else 1)
+                raise
         elif others and engine.is_engine_signal(err):  # a script's: one exception that says so, not the engine's
             raise AnotherRankFailed.of(err) from err
         raise
     finally:
         engine.shutdown(finished)
+
+
+# A rank leaving on a failure, its line said, exits at the latest this long after: Horovod's shutdown waits
+# for every rank (MPI_Finalize), and a rank can deadlock inside Horovod (its main thread, holding Python's
+# lock, enqueues a collective while Horovod's thread, finalizing on the failure, waits for that lock), where
+# no watchdog of Python's runs and the job would wait for ever. This rank's exit lets the launcher end the
+# rest. Well above an ordinary failure's shutdown, which waits out the other ranks' 3 s for the launcher.
+FAILED_SHUTDOWN_SECONDS = 15.0
+
+
+def _leave_by_a_deadline(status: int) -> None:
+    def leave() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
+
+    timer = threading.Timer(FAILED_SHUTDOWN_SECONDS, leave)
+    timer.daemon = True
+    timer.start()
 
 
 def _start(engine_type: Any, device: str, threads: int, stall_timeout: int) -> Engine:
