@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -254,6 +256,29 @@ def test_a_batch_that_does_not_stack_mid_run_says_how_to_make_one(workers):
     assert ("; samples of different shapes do not stack into a batch: pad sequences with --set data.collate=pad, or "
             "make batches with a function of yours (--set data.collate=package.module:function); every rank stops"
             ) in line
+
+
+def test_a_data_loader_worker_s_death_raised_inside_horovod_s_wait_is_this_rank_s_own_failure():
+    """torch's handler for a dead worker raises inside Horovod's wait, which raises every RuntimeError again as
+    HorovodInternalError: taken for another rank's failure, no rank said what failed. A collective that broke
+    off passes on as it is."""
+    from horovod.common.exceptions import HorovodInternalError
+
+    from hvdtrain.engine import horovod
+    from hvdtrain.train.failures import located
+
+    engine = SimpleNamespace(rank=1, is_root=False, is_engine_signal=horovod.is_collective_failure)
+    try:
+        try:
+            raise RuntimeError("DataLoader worker (pid 4711) is killed by signal: Killed. ")
+        except RuntimeError as died:
+            raise HorovodInternalError(died)
+    except HorovodInternalError as wrapped:
+        line = str(located(wrapped, engine, "epoch 2, step 7"))
+    assert line == ("rank 1 failed at epoch 2, step 7: a data-loader worker was killed (Killed: often the kernel's "
+                    "out-of-memory killer); lower data.num_workers or data.shuffle_buffer")
+    shut_down = HorovodInternalError("Horovod has been shut down. This was caused by an exception on one of the ranks")
+    assert located(shut_down, engine, "epoch 2, step 7") is shut_down
 
 
 def test_debug_shows_the_traceback(capsys):

@@ -234,8 +234,34 @@ def report(err):
     print("hvdtrain: error: rank 1 failed", flush=True)
     raise SystemExit(3)
 
+class TwoRanks(HangsInShutdown):
+    def __init__(self, device):
+        super().__init__(device)
+        self.size = 2
+
 engines.FAILED_SHUTDOWN_SECONDS = 1.0
-engines.start_engine = lambda **settings: HangsInShutdown(torch.device("cpu"))
+engines.start_engine = lambda **settings: TwoRanks(torch.device("cpu"))
+with engines.running_engine(report, process_goes_on=False):
+    raise RuntimeError("a data-loader worker was killed")
+"""
+
+_SLOW_EXIT_HANDLER_AFTER_A_SHUTDOWN = """
+import atexit, time
+import torch
+import hvdtrain.engine as engines
+from hvdtrain.engine.local import LocalEngine
+
+class TwoRanks(LocalEngine):
+    def __init__(self, device):
+        super().__init__(device)
+        self.size = 2
+
+def report(err):
+    raise SystemExit(3)
+
+atexit.register(lambda: (time.sleep(2), print("the exit handler ran", flush=True)))
+engines.FAILED_SHUTDOWN_SECONDS = 1.0
+engines.start_engine = lambda **settings: TwoRanks(torch.device("cpu"))
 with engines.running_engine(report, process_goes_on=False):
     raise RuntimeError("a data-loader worker was killed")
 """
@@ -250,3 +276,7 @@ def test_a_rank_leaving_on_its_failure_exits_by_the_deadline_when_the_shutdown_h
     done = subprocess.run([sys.executable, "-c", _SHUTDOWN_THAT_HANGS], capture_output=True, text=True, timeout=60)
     assert done.returncode == 3 and done.stdout == "hvdtrain: error: rank 1 failed\n", done
     assert time.monotonic() - started < 30
+    # The deadline is the shutdown's alone: the exit handlers after it take the time they need.
+    done = subprocess.run([sys.executable, "-c", _SLOW_EXIT_HANDLER_AFTER_A_SHUTDOWN], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 3 and done.stdout == "the exit handler ran\n", done

@@ -22,9 +22,8 @@ from hvdtrain.config import Config
 from hvdtrain.data.sources import build_data
 from hvdtrain.engine import Engine
 from hvdtrain.errors import UserError, message_lines
-from hvdtrain.models import ModelShapes
+from hvdtrain.models import ModelShapes, unwrapped
 from hvdtrain.tasks import Task, build_task
-from hvdtrain.models import unwrapped
 
 
 @dataclass

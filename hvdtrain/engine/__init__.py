@@ -107,6 +107,7 @@ def running_engine(on_failure: Callable[[Exception], None] | None = None, **engi
     startup_gc.settle()  # torch and Horovod are in: the collector runs again, past what they made
     others = engine.size > 1
     finished = False
+    deadline: threading.Timer | None = None
     try:
         yield engine
         finished = True
@@ -117,17 +118,19 @@ def running_engine(on_failure: Callable[[Exception], None] | None = None, **engi
             try:
                 on_failure(err)
             except SystemExit as leaving:
-                if not finished and not engine_args.get("process_goes_on"):
-                    _leave_by_a_deadline(leaving.code if isinstance(leaving.code, int) else 1)
+                if not finished and others and not engine_args.get("process_goes_on"):
+                    deadline = _leave_by_a_deadline(leaving.code if isinstance(leaving.code, int) else 1)
                 raise
         elif others and engine.is_engine_signal(err):  # a script's: one exception that says so, not the engine's
             raise AnotherRankFailed.of(err) from err
         raise
     finally:
         engine.shutdown(finished)
+        if deadline is not None:  # shut down: the exit handlers that follow take the time they need
+            deadline.cancel()
 
 
-# A rank leaving on a failure, its line said, exits at the latest this long after: Horovod's shutdown waits
+# A rank leaving on a failure, its line said, ends its engine's shutdown within this long: Horovod's waits
 # for every rank (MPI_Finalize), and a rank can deadlock inside Horovod (its main thread, holding Python's
 # lock, enqueues a collective while Horovod's thread, finalizing on the failure, waits for that lock), where
 # no watchdog of Python's runs and the job would wait for ever. This rank's exit lets the launcher end the
@@ -135,7 +138,7 @@ def running_engine(on_failure: Callable[[Exception], None] | None = None, **engi
 FAILED_SHUTDOWN_SECONDS = 15.0
 
 
-def _leave_by_a_deadline(status: int) -> None:
+def _leave_by_a_deadline(status: int) -> threading.Timer:
     def leave() -> None:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
@@ -145,6 +148,7 @@ def _leave_by_a_deadline(status: int) -> None:
     timer = threading.Timer(FAILED_SHUTDOWN_SECONDS, leave)
     timer.daemon = True
     timer.start()
+    return timer
 
 
 def _start(engine_type: Any, device: str, threads: int, stall_timeout: int) -> Engine:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import sys
 from typing import Any, TextIO
 
@@ -55,8 +56,8 @@ class _Outliving:
         return getattr(self._stream, name)
 
     def _discard_from_now_on(self, err: OSError) -> None:
-        if err.errno not in _GONE:
-            raise err
+        if err.errno not in _GONE or (err.errno == errno.EIO and not _a_terminal(self._stream.fileno())):
+            raise err  # EIO from a file is the disk's failure, not a reader gone
         null = os.open(os.devnull, os.O_WRONLY)
         try:
             os.dup2(null, self._stream.fileno())  # C++ writes to the descriptor (torch's, MPI's) too
@@ -71,3 +72,11 @@ class _Outliving:
             sys.stderr.write(f"hvdtrain: standard output's reader has gone ({reader}): the run goes on "
                              "without printing; its epoch lines are kept in its metrics.jsonl\n")
             sys.stderr.flush()
+
+
+def _a_terminal(fd: int) -> bool:
+    """A character device: a terminal that hung up no longer says it is one (isatty)."""
+    try:
+        return stat.S_ISCHR(os.fstat(fd).st_mode)
+    except OSError:
+        return False

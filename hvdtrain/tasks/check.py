@@ -42,7 +42,8 @@ def check_first_batch(task: Task, model: nn.Module, batch: Any, held_targets: to
     model.eval()
     try:
         with torch.no_grad(), precision.autocast():
-            output, target = guarded(task, "the model's forward", lambda: task.forward(model, batch), batch, stage)
+            output, target = guarded(task, "the model's forward", lambda: task.forward(model, batch), batch, stage,
+                                     model)
             own = model_loss(output)
             if target is None and own is None and isinstance(batch, Mapping):
                 raise UserError(f"the batch is a dict with keys {', '.join(map(repr, batch))} but no "
@@ -81,8 +82,10 @@ def best_metric(name: str, mode: str, task: Task, reported: list[str]) -> tuple[
     return f"val_{metric}", metric in task.maximize
 
 
-def guarded(task: Task, what: str, call: Callable[[], Any], batch: Any, stage: str = "training") -> Any:
-    """`call()`, with a failure of the user's code turned into one line about the first batch."""
+def guarded(task: Task, what: str, call: Callable[[], Any], batch: Any, stage: str = "training",
+            model: nn.Module | None = None) -> Any:
+    """`call()`, with a failure of the user's code turned into one line about the first batch (`model`: the
+    one whose forward it calls)."""
     def described(err: BaseException) -> str:
         hint = ""
         if isinstance(batch, Mapping) and task.target_key not in batch:
@@ -91,14 +94,18 @@ def guarded(task: Task, what: str, call: Callable[[], Any], batch: Any, stage: s
         elif "double" in str(err).lower() and any(tensor.dtype == torch.float64 for tensor in tensors_in(batch)):
             hint = ("; the batch holds float64 (NumPy's default) where the model's weights are float32: return "
                     "float32 from your Dataset (x.astype(np.float32), or torch.as_tensor(x, dtype=torch.float32))")
-        elif re.search(r"\b(Half|BFloat16)\b", str(err)) and any(tensor.dtype == torch.float32
-                                                                 for tensor in tensors_in(batch)):
+        elif re.search(r"\b(Half|BFloat16)\b", str(err)) and _half_weights(model) and any(
+                tensor.dtype == torch.float32 for tensor in tensors_in(batch)):
             hint = ("; a model built in float16 or bfloat16 (.half()) meets float32 inputs: build it in float32 and "
                     "train with --precision fp16 or bf16 (autocast computes in half precision and keeps the weights "
                     "float32, which the optimizer's small updates need)")
         return f"; the batch was {describe(batch)}{hint}"
 
     return users_code(f"the first {stage} batch failed in {what} (task {task.name})", call, described)
+
+
+def _half_weights(model: nn.Module | None) -> bool:
+    return model is not None and any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
 
 
 def _check_loss(task: Task, loss: Any, whose: str) -> None:

@@ -200,7 +200,7 @@ def _check_takes(callback: Any, path: str, hook: str, arguments: tuple[str, ...]
     if not callable(method):
         return
     try:
-        signature = inspect.signature(method)
+        signature = inspect.signature(method, follow_wrapped=False)  # a decorator's wrapper is what is called
     except (TypeError, ValueError):  # a builtin or an extension's method: taken on trust
         return
     try:

@@ -34,7 +34,8 @@ def located(err: Exception, engine: Engine, position: str, newest: Path | None =
     rank, where in the run, where in their code, and on rank 0 the newest checkpoint (`newest`, last.pt).
     A collective that broke off passes as it is (elastic training catches it by type), carrying where
     the job stood; other failures pass as they are."""
-    err = _own_failure_inside_a_wait(err)
+    if engine.is_engine_signal(err):
+        err = _own_failure_inside_a_wait(err)
     if engine.is_engine_signal(err):
         note_where_the_job_stood(err, position, _resume_from(newest if engine.is_root else None))
         return err
