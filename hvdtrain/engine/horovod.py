@@ -101,8 +101,11 @@ def horovod_available() -> bool:
 
 
 def is_collective_failure(err: BaseException) -> bool:
-    """Horovod stopped: another rank failed or left, or a stall ran past its timeout."""
-    return HorovodInternalError is not None and isinstance(err, HorovodInternalError)
+    """Horovod stopped: another rank failed or left, or a stall ran past its timeout. Not a data-loader worker
+    of this rank's that died (torch's SIGCHLD handler raises inside Horovod's wait, which raises it again)."""
+    inner = getattr(err, "__context__", None)
+    return (HorovodInternalError is not None and isinstance(err, HorovodInternalError)
+            and not (isinstance(inner, RuntimeError) and str(inner).startswith("DataLoader worker (")))
 
 
 class HorovodEngine(WatchedEngine):

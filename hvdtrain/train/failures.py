@@ -35,8 +35,6 @@ def located(err: Exception, engine: Engine, position: str, newest: Path | None =
     A collective that broke off passes as it is (elastic training catches it by type), carrying where
     the job stood; other failures pass as they are."""
     if engine.is_engine_signal(err):
-        err = _own_failure_inside_a_wait(err)
-    if engine.is_engine_signal(err):
         note_where_the_job_stood(err, position, _resume_from(newest if engine.is_root else None))
         return err
     if isinstance(err, (RankFailed, StoppedBySignal, StoppedEarly, FailedAt)):
@@ -75,16 +73,6 @@ def leave_after_another_rank(err: Exception, rank: int, debug: bool) -> NoReturn
         print(f"hvdtrain: {AnotherRankFailed.of(err)}", file=sys.stderr, flush=True)
     _wait_for_the_launcher(SURVIVOR_WAIT_SECONDS)
     sys.exit(ANOTHER_RANK_FAILED)
-
-
-def _own_failure_inside_a_wait(err: Exception) -> Exception:
-    """This rank's own failure, where a collective's wait made it look like the engine's: Horovod's wait raises
-    every RuntimeError again as HorovodInternalError, torch's too when a data-loader worker dies (its SIGCHLD
-    handler raises inside the wait). Taken for another rank's failure, no rank said what failed."""
-    inner = err.__context__
-    if isinstance(inner, RuntimeError) and str(inner).startswith("DataLoader worker ("):
-        return inner
-    return err
 
 
 def worker_message(err: Exception) -> str:

@@ -29,20 +29,19 @@ class UserFactory:
                                                                                    for part in made)):
             return _from_iterable(cfg, made, seed, target_key)
         if _arrays(made):  # (x, y) as Keras takes them would read as a (train, val) pair without targets
-            raise UserError(f"data factory '{cfg.name}' returned {_loader_hint(made)[2:]}; return it, or a (train, "
+            raise UserError(f"data factory '{cfg.name}' returned {_not_a_data_set(made)}; return it, or a (train, "
                             "val) pair of such")
         if isinstance(made, tuple) and len(made) == 2:
             train, val = made
         elif isinstance(made, Dataset):
             train, val = _random_split(made, cfg.val_fraction, seed)
         else:
-            raise UserError(
-                f"data factory '{cfg.name}' returned {type(made).__name__}: "
-                f"return a torch Dataset or a (train, val) pair of them{_loader_hint(made)}"
-            )
+            instead = _not_a_data_set(made)
+            raise UserError(f"data factory '{cfg.name}' returned {type(made).__name__}: return a torch Dataset or a "
+                            f"(train, val) pair of them{'; ' + instead if instead else ''}")
         for part, name in ((train, "train"), (val, "val")):
-            if isinstance(part, DataLoader) or _arrays(part):
-                raise UserError(f"data factory '{cfg.name}': its {name} set is {_loader_hint(part)[2:]}")
+            if instead := _not_a_data_set(part):
+                raise UserError(f"data factory '{cfg.name}': its {name} set is {instead}")
             if not hasattr(part, "__getitem__") or not hasattr(part, "__len__"):
                 raise UserError(f"data factory '{cfg.name}': its {name} set is not a map-style Dataset (needs "
                                 "__getitem__ and __len__): hvdtrain shards by index so that every rank gets the same "
@@ -60,14 +59,15 @@ class UserFactory:
         return parts[0] if len(parts) == 1 else ConcatDataset(parts)
 
 
-def _loader_hint(made: Any) -> str:
-    """What a factory that returned a DataLoader, or (x, y) arrays, should return instead ("" otherwise)."""
+def _not_a_data_set(made: Any) -> str:
+    """What a factory returned instead of a data set, a DataLoader or (x, y) arrays, and what to return
+    instead ("" for anything else)."""
     if isinstance(made, DataLoader):
-        return ("; a DataLoader: return its data set (loader.dataset): hvdtrain makes the loaders, with "
+        return ("a DataLoader: return its data set (loader.dataset): hvdtrain makes the loaders, with "
                 "--batch-size per process and a sampler that shards by rank")
     sizes = _arrays(made)
     if sizes:
-        return (f"; a tuple of {len(made)} arrays of {sizes[0]:,} rows, not a data set: make them one, "
+        return (f"a tuple of {len(made)} arrays of {sizes[0]:,} rows, not a data set: make them one, "
                 "torch.utils.data.TensorDataset(*(torch.as_tensor(a) for a in arrays))")
     return ""
 
