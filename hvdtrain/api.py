@@ -189,14 +189,20 @@ def _data(data: Any) -> str | None:
         return data
     if isinstance(data, Path):
         return str(data)
+    from hvdtrain.data.sources.user import instead_of_data, several_data_sets
+
+    if isinstance(data, list) and len(data) == 2:
+        data = tuple(data)
     pair = data if isinstance(data, tuple) and len(data) == 2 else (data,)
     if any(type(part).__name__ == "Tensor" for part in pair):
         raise UserError("data takes Datasets, not tensors: wrap inputs and targets as "
                         "torch.utils.data.TensorDataset(x, y)")
-    if all(_is_map_style(part) for part in pair):
+    if all(_is_map_style(part) for part in pair) and not several_data_sets(data):
         return _keep("data", lambda: data)
     if callable(data) and not hasattr(data, "__len__"):
         return _keep("data", data)
+    if instead := instead_of_data(data, "pass"):
+        raise UserError(f"data got {instead}")
     raise UserError(f"data must be a map-style Dataset (with __getitem__ and __len__), a (train, val) pair of them, "
                     f"a function returning either, or a name or path; got {type(data).__name__}")
 

@@ -134,14 +134,31 @@ def _blobs():
 @pytest.mark.parametrize("call, message", [
     (dict(model="user_code:tiny_net", data=(torch.zeros(4, 5), torch.zeros(4))), "data takes Datasets, not tensors"),
     (dict(model="user_code:tiny_net", data=42), "data must be a map-style Dataset"),
+    (dict(model="user_code:tiny_net", data={"train": _blobs(), "test": _blobs()}),
+     "data got a dict of 'train', 'test': pass a (train, val) pair of its data sets, (splits['train'], "
+     "splits['test']) say"),
+    (dict(model="user_code:tiny_net", data=(_blobs(), _blobs(), _blobs())),
+     "data got 3 data sets: pass a (train, val) pair, and evaluate another set after fit with "
+     "hvdtrain.evaluate(run_dir, data=test_set)"),
+    (dict(model="user_code:tiny_net", data=torch.utils.data.DataLoader(_blobs())),
+     "data got a DataLoader: pass its data set (loader.dataset)"),
+    (dict(model="user_code:tiny_net", data=(torch.utils.data.DataLoader(_blobs()), _blobs())),
+     "data got a pair whose train set is a DataLoader: pass its data set (loader.dataset)"),
     (dict(model=42, data=_blobs()), "model must be an nn.Module, a function that builds one, or a name; got int"),
     (dict(data=_blobs(), batch_sise=4), "unknown setting 'batch_sise'"),
     (dict(data=_blobs(), epochs=0), "config key 'train.epochs' must be at least 1"),
 ])
 def test_what_fit_refuses_it_refuses_in_one_error(call, message, tmp_path):
-    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(UserError, match=re.escape(message)):
         hvdtrain.fit(**call, run_dir=str(tmp_path / "run"), progress="off", engine="local")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_list_of_two_data_sets_is_the_train_val_pair(tmp_path):
+    train, val = _blobs(), TensorDataset(*_blobs()[:30])
+    summary = hvdtrain.fit(model="user_code:tiny_net", data=[train, val], epochs=1, batch_size=16,
+                           run_dir=str(tmp_path / "run"), progress="off", engine="local")
+    assert summary["val_samples"] == 30
 
 
 def test_evaluating_a_run_of_objects_from_the_command_says_why_it_cannot(tmp_path):

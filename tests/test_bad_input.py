@@ -77,6 +77,10 @@ CASES = {
                                   "data set (loader.dataset): hvdtrain makes the loaders"),
     "Keras' (x, y)": (["--data", "user_code:keras_arrays"], "returned a tuple of 2 arrays of 64 rows, not a data set: "
                                                            "make them one, torch.utils.data.TensorDataset("),
+    "a dict of splits": (["--data", "user_code:split_dict"], "returned a dict of 'train', 'validation', 'test': "
+                         "return a (train, val) pair of its data sets, (splits['train'], splits['validation']) say"),
+    "three data sets": (["--data", "user_code:three_splits"], "returned 3 data sets: return a (train, val) pair, "
+                        "and evaluate another set after fit with `hvdtrain evaluate RUN_DIR --data module:function`"),
     "a pair of (x, y) arrays": (["--data", "user_code:arrays_pair"], "its train set is a tuple of 2 arrays of 64 rows"),
     "a model built in half precision": (["--model", "user_code:half_net"], "a model built in float16 or bfloat16 "
                                         "(.half()) meets float32 inputs: build it in float32 and train with --precision"),

@@ -275,6 +275,17 @@ def arrays_pair():
     return _x_and_y(64), _x_and_y(16)
 
 
+def split_dict():
+    """Splits by name, as Hugging Face's load_dataset gives them: not a (train, val) pair."""
+    return {name: torch.utils.data.TensorDataset(*map(torch.as_tensor, _x_and_y(n)))
+            for name, n in (("train", 64), ("validation", 16), ("test", 16))}
+
+
+def three_splits():
+    """train, val and test: one too many."""
+    return tuple(split_dict().values())
+
+
 def loaders_pair():
     """A (train, val) pair of DataLoaders: hvdtrain makes the loaders itself."""
     train, val = (torch.utils.data.TensorDataset(*map(torch.as_tensor, _x_and_y(n))) for n in (64, 16))

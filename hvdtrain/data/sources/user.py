@@ -5,6 +5,7 @@ hold (see hvdtrain.data.batch); an IterableDataset that says its length is read 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,9 +37,8 @@ class UserFactory:
         elif isinstance(made, Dataset):
             train, val = _random_split(made, cfg.val_fraction, seed)
         else:
-            instead = _not_a_data_set(made)
-            raise UserError(f"data factory '{cfg.name}' returned {type(made).__name__}: return a torch Dataset or a "
-                            f"(train, val) pair of them{'; ' + instead if instead else ''}")
+            raise UserError(f"data factory '{cfg.name}' returned " + (instead_of_data(made) or f"{type(made).__name__}: "
+                            "return a torch Dataset or a (train, val) pair of them"))
         for part, name in ((train, "train"), (val, "val")):
             if instead := _not_a_data_set(part):
                 raise UserError(f"data factory '{cfg.name}': its {name} set is {instead}")
@@ -59,17 +59,50 @@ class UserFactory:
         return parts[0] if len(parts) == 1 else ConcatDataset(parts)
 
 
-def _not_a_data_set(made: Any) -> str:
+def _not_a_data_set(made: Any, verb: str = "return") -> str:
     """What a factory returned instead of a data set, a DataLoader or (x, y) arrays, and what to return
     instead ("" for anything else)."""
     if isinstance(made, DataLoader):
-        return ("a DataLoader: return its data set (loader.dataset): hvdtrain makes the loaders, with "
+        return (f"a DataLoader: {verb} its data set (loader.dataset): hvdtrain makes the loaders, with "
                 "--batch-size per process and a sampler that shards by rank")
     sizes = _arrays(made)
     if sizes:
         return (f"a tuple of {len(made)} arrays of {sizes[0]:,} rows, not a data set: make them one, "
                 "torch.utils.data.TensorDataset(*(torch.as_tensor(a) for a in arrays))")
     return ""
+
+
+def instead_of_data(made: Any, verb: str = "return") -> str:
+    """What was given for data, and what to give instead: Hugging Face's load_dataset gives a dict of
+    splits, and a train/val/test split is often given whole ("" where nothing better can be said)."""
+    if instead := _not_a_data_set(made, verb):
+        return instead
+    if isinstance(made, Mapping) and len(made) >= 2:
+        keys = list(made)
+        train = next((key for key in keys if str(key).startswith("train")), keys[0])
+        val = next(key for key in keys if key != train)
+        return (f"a dict of {', '.join(repr(key) for key in keys)}: {verb} a (train, val) pair of its data sets, "
+                f"(splits[{train!r}], splits[{val!r}]) say")
+    if several_data_sets(made):
+        evaluate = ("hvdtrain.evaluate(run_dir, data=test_set)" if verb == "pass" else
+                    "`hvdtrain evaluate RUN_DIR --data module:function` (a function returning it)")
+        return f"{len(made)} data sets: {verb} a (train, val) pair, and evaluate another set after fit with {evaluate}"
+    if isinstance(made, tuple) and len(made) == 2:
+        for part, name in zip(made, ("train", "val")):
+            if instead := _not_a_data_set(part, verb):
+                return f"a pair whose {name} set is {instead}"
+    return ""
+
+
+def several_data_sets(made: Any) -> bool:
+    """A train/val/test split given whole: more than two data sets in a tuple or list."""
+    return isinstance(made, (tuple, list)) and len(made) > 2 and all(map(_is_data_set, made))
+
+
+def _is_data_set(part: Any) -> bool:
+    """A map-style or iterable data set, not an array (whose rows index it as well)."""
+    return isinstance(part, IterableDataset) or (hasattr(part, "__getitem__") and hasattr(part, "__len__")
+                                                 and not hasattr(part, "shape") and not isinstance(part, (str, bytes, Mapping)))
 
 
 def _arrays(made: Any) -> list[int]:
@@ -83,8 +116,9 @@ def _arrays(made: Any) -> list[int]:
 
 
 def _made(cfg: DataConfig) -> Any:
-    """What the user's factory returns: the one place it is called."""
-    return call_factory(cfg.name, "data set", {}, args=cfg.args, args_key="data.args")
+    """What the user's factory returns: the one place it is called. A list of two data sets is the pair."""
+    made = call_factory(cfg.name, "data set", {}, args=cfg.args, args_key="data.args")
+    return tuple(made) if isinstance(made, list) and len(made) == 2 and all(map(_is_data_set, made)) else made
 
 
 def _whole_stream(dataset: IterableDataset, cfg: DataConfig) -> IterableSource:
