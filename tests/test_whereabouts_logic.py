@@ -12,6 +12,7 @@ import pytest
 from hvdtrain.engine.activity import Activity
 from hvdtrain.engine.report_channel import RankLink, ReportServer, request
 from hvdtrain.engine.stacks import main_frames, rank_report, user_frames
+from hvdtrain.engine.whereabouts import stall_lines
 from hvdtrain.train.stragglers import RankTimes, stragglers
 
 
@@ -62,6 +63,17 @@ def test_rank_0_gets_every_linked_rank_s_report_and_none_for_a_silent_one(server
     finally:
         for link, _ in links:
             link.close()
+
+
+def test_a_stall_report_names_a_rank_that_did_not_answer_in_words():
+    """A rank stopped (SIGSTOP, a debugger) or held in native code cannot answer: every line still reads."""
+    mine = Activity(where="epoch 8, training after step 79", collective="the gradient allreduce", since=time.time() - 16)
+    lines = stall_lines(0, mine, 10, [{"rank": 0}, None], None)
+    assert lines[0].startswith("hvdtrain: error: the job stalled: rank 0 waited 16 s in the gradient allreduce at "
+                               "epoch 8, training after step 79 (train.stall_timeout 10 s); not there: rank 1 (no answer).")
+    assert lines[2:] == ["  rank 0: waiting in the gradient allreduce at epoch 8, training after step 79",
+                         "  rank 1: no answer within 5 s (gone, or its interpreter held in native code)",
+                         "hvdtrain: the job stopped waiting for rank 1, which did not answer"]
 
 
 def test_a_link_to_a_port_that_is_not_rank_0_s_is_refused():

@@ -216,7 +216,8 @@ def stall_lines(rank: int, mine: Activity, timeout: float, reports: list[dict[st
     for r, report in away:
         lines += _rank_lines(r, report, stack=True)
     if away:
-        stuck = "; ".join(f"rank {r} {_short(report)}{_user_at(report)}" for r, report in away)
+        stuck = "; ".join(f"rank {r} {_short(report)}{_user_at(report)}" if report else f"rank {r}, which did not answer"
+                          for r, report in away)
         lines.append(f"hvdtrain: the job stopped waiting for {stuck}")
     return lines
 
