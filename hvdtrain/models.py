@@ -46,10 +46,18 @@ class ModelShapes:
                    raw.get("num_outputs"))
 
 
+DATA_PARALLEL = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+"""Wrappers that do in their own way what hvdtrain's processes and engine do: one around a factory's
+model is taken off (on a GPU, DataParallel would spread each rank's batch over every visible GPU, and
+DDP would average the gradients a second time)."""
+
+
 def unwrapped(model: nn.Module) -> nn.Module:
-    """The module itself, without torch.compile's wrapper (`--compile`'s, or a factory's own): checkpoints
-    keep plain names, and evaluate, predict and export load them into it."""
-    return getattr(model, "_orig_mod", model)
+    """The module itself, without torch.compile's wrapper (`--compile`'s, or a factory's own) nor
+    DataParallel's or DDP's: checkpoints keep plain names, and evaluate, predict and export load them into it."""
+    while (inner := model.module if isinstance(model, DATA_PARALLEL) else getattr(model, "_orig_mod", model)) is not model:
+        model = inner
+    return model
 
 
 def build_model(cfg: ModelConfig, input_shape: tuple[int, ...] | None, num_classes: int | None,
@@ -79,11 +87,19 @@ def build_model(cfg: ModelConfig, input_shape: tuple[int, ...] | None, num_class
                             "function (def model(): return Net()), or pass the object to hvdtrain.fit(model=...)")
         unknown_count = ("the data set does not say how many classes it has: set data.num_classes "
                          "(--set data.num_classes=N), or give your Dataset a `classes` or `num_classes` attribute")
-        made = call_factory(cfg.name, "model",
-                            {"input_shape": input_shape, "num_classes": num_classes, "num_outputs": num_outputs},
-                            unknown={"num_classes": unknown_count, "num_outputs": unknown_count,
-                                     "input_shape": "the samples' input is not one tensor"},
-                            args=cfg.args, args_key="model.args", convention=KWARGS_CONVENTION)
+        try:
+            made = call_factory(cfg.name, "model",
+                                {"input_shape": input_shape, "num_classes": num_classes, "num_outputs": num_outputs},
+                                unknown={"num_classes": unknown_count, "num_outputs": unknown_count,
+                                         "input_shape": "the samples' input is not one tensor"},
+                                args=cfg.args, args_key="model.args", convention=KWARGS_CONVENTION)
+        except UserError as err:
+            if "process group has not been initialized" not in str(err.__cause__):
+                raise
+            cause = err.__cause__
+            raise UserError(f"model factory '{cfg.name}' raised {type(cause).__name__}: {str(cause).rstrip('.')}: hvdtrain starts a "
+                            "torch.distributed process group only under torchrun, and its engine averages the gradients "
+                            "itself: return the model without DistributedDataParallel") from cause
         if not isinstance(made, nn.Module):
             raise UserError(f"model factory '{cfg.name}' returned {type(made).__name__}: return a torch.nn.Module")
         return made

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import LAUNCHERS, assert_ok, epoch_records, requires_launchers, run, run_summary
+from conftest import (LAUNCHERS, assert_ok, assert_same_weights, epoch_records, final_weights, requires_launchers, run,
+                      run_summary)
 from hvdtrain.cli import main
 
 LOCAL = ["--progress", "off", "--engine", "local", "--threads", "1"]
@@ -206,6 +207,21 @@ def test_a_model_its_factory_compiled_is_evaluated_predicted_and_exported(tmp_pa
     main(["predict", str(run_dir), "--output", str(tmp_path / "p.npy")])
     main(["export", str(run_dir), "--format", "safetensors", "--output", str(tmp_path / "m.safetensors")])
     assert np.load(tmp_path / "p.npy").shape[0] > 0 and (tmp_path / "m.safetensors").is_file()
+
+
+def test_a_model_in_data_parallel_trains_as_the_module_inside_it(tmp_path, capsys):
+    """DataParallel around a factory's model is taken off with one warning: the checkpoint holds the module's
+    own names and weights, as a run of the plain model, and evaluate loads it."""
+    runs = {}
+    for model in ("data_parallel_net", "tiny_net"):
+        runs[model] = tmp_path / model
+        main(["fit", *LOCAL, "--data", "user_code:blobs", "--model", f"user_code:{model}", "--epochs", "1",
+              "--batch-size", "16", "--run-dir", str(runs[model])])
+    assert capsys.readouterr().out.count("hvdtrain: warning: the model comes wrapped in DataParallel: hvdtrain trains "
+                                         "the module inside it") == 1
+    assert_same_weights(final_weights(runs["data_parallel_net"]), final_weights(runs["tiny_net"]), atol=0)
+    main(["evaluate", str(runs["data_parallel_net"]), "--output", str(tmp_path / "e.json")])
+    assert json.loads((tmp_path / "e.json").read_text())["acc"] == run_summary(runs["data_parallel_net"])["val_acc"]
 
 
 # --- plot and runs -------------------------------------------------------------------------

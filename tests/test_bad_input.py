@@ -82,6 +82,12 @@ CASES = {
     "three data sets": (["--data", "user_code:three_splits"], "returned 3 data sets: return a (train, val) pair, "
                         "and evaluate another set after fit with `hvdtrain evaluate RUN_DIR --data module:function`"),
     "a pair of (x, y) arrays": (["--data", "user_code:arrays_pair"], "its train set is a tuple of 2 arrays of 64 rows"),
+    "a model in DDP without a process group": (["--model", "user_code:ddp_mlp"], "model factory 'user_code:ddp_mlp' "
+                                                "raised ValueError: Default process group has not been initialized"
+                                                ", please make sure to call init_process_group: hvdtrain starts a "
+                                                "torch.distributed process group only under torchrun, and its engine "
+                                                "averages the gradients itself: return the model without "
+                                                "DistributedDataParallel"),
     "a model built in half precision": (["--model", "user_code:half_net"], "a model built in float16 or bfloat16 "
                                         "(.half()) meets float32 inputs: build it in float32 and train with --precision"),
     "iterable data set": (["--data", "user_code:stream"], "returned an IterableDataset without a length: hvdtrain needs len()"),

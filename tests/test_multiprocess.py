@@ -47,7 +47,8 @@ def test_fit_runs_under_each_launcher(launcher, tmp_path, request):
 
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "horovodrun-gloo"])
 def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_path, request):
-    """The same config under torch.distributed (Gloo) and under Horovod (the shared horovodrun run)."""
+    """The same config under torch.distributed (Gloo) and under Horovod (the shared horovodrun run); under
+    mpirun with the mlp wrapped in DistributedDataParallel by a factory, as a DDP script has it: taken off."""
     horovod_dir, _ = digits_np2
     if launcher == "torchrun":  # --engine auto picks torch; the shared run
         run_dir, done = request.getfixturevalue("digits_torchrun")
@@ -61,8 +62,10 @@ def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_
         run_dir = tmp_path / "run"
         done = run([*LAUNCHERS[launcher], "-x", f"HVDTRAIN_INIT_METHOD=tcp://127.0.0.1:{port}", "hvdtrain", "fit",
                     "--progress", "off", "--epochs", "3", "--log-every", "4", "--run-dir", str(run_dir),
-                    "--engine", "torch"], cwd=tmp_path)
+                    "--engine", "torch", "--model", "user_code:ddp_mlp"], cwd=tmp_path)
         assert done.stderr.count(f"rendezvous tcp://127.0.0.1:{port}") == 2, done.stderr[-3000:]  # each rank's start line
+        assert done.stdout.count("hvdtrain: warning: the model comes wrapped in DistributedDataParallel: hvdtrain "
+                                 "trains the module inside it") == 1, done.stdout[-3000:]
     assert_ok(done)
     summary = run_summary(run_dir)
     assert summary["world_size"] == 2 and summary["controller"] == "gloo"

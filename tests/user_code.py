@@ -292,6 +292,18 @@ def loaders_pair():
     return torch.utils.data.DataLoader(train, batch_size=8), torch.utils.data.DataLoader(val, batch_size=8)
 
 
+def ddp_mlp(input_shape, num_classes):
+    """The built-in mlp in DistributedDataParallel, as a script written for DDP builds it: hvdtrain takes it off."""
+    from hvdtrain.models import mlp
+
+    return nn.parallel.DistributedDataParallel(mlp(input_shape, num_classes))
+
+
+def data_parallel_net(input_shape, num_classes):
+    """tiny_net in DataParallel, as a script written for one process and several GPUs builds it."""
+    return nn.DataParallel(tiny_net(input_shape, num_classes))
+
+
 def compiled_net(input_shape, num_classes):
     """A factory that compiles its model itself (the eager backend: no compiler needed)."""
     return torch.compile(tiny_net(input_shape, num_classes), backend="eager")

@@ -25,10 +25,11 @@ from hvdtrain.engine import Engine, GradientSync
 from hvdtrain.errors import UserError
 from hvdtrain.factory import call_factory
 from hvdtrain.io.progress import mib
-from hvdtrain.models import ModelShapes, unwrapped
+from hvdtrain.models import DATA_PARALLEL, ModelShapes, unwrapped
 from hvdtrain.tasks import Task, build_task
 from hvdtrain.tasks.check import FirstBatch, best_metric, check_first_batch
 from hvdtrain.numerics.precision import Precision
+from hvdtrain.train.loggers import warn
 from hvdtrain.train.sparse_gradients import densify_sparse_gradients
 from hvdtrain.train.steps import StepCount
 
@@ -79,7 +80,13 @@ def build(config: Config, engine: Engine) -> Run:
     split: DataSplit = build_data(config.data, config.train.seed, task.target_key)
     task.check_data(split.target_dtype, split.target_shape)
     shapes = ModelShapes(split.input_shape, split.num_classes, task.num_outputs(split.num_classes, split.target_shape))
-    model = shapes.build(config.model).to(engine.device)
+    model = shapes.build(config.model)
+    if isinstance(model, DATA_PARALLEL):
+        if engine.rank == 0:
+            warn(f"the model comes wrapped in {type(model).__name__}: hvdtrain trains the module inside it (one "
+                 "process per device, its gradients averaged by the engine); return the module itself")
+        model = model.module
+    model = model.to(engine.device)
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     precision = Precision(config.train.precision, engine.device)
