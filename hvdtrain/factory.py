@@ -99,6 +99,14 @@ def call_factory(path: str, what: str, offered: dict[str, Any], unknown: dict[st
                         "(--debug shows the traceback)") from err
 
 
+def unstarted_library(err: UserError) -> str:
+    """'Horovod' or 'torch.distributed' where a factory failed for using one that this process has not
+    started (a script's own hvd.DistributedOptimizer, or DDP, under another engine), else ''."""
+    cause = str(err.__cause__)
+    return ("Horovod" if "Horovod has not been initialized" in cause else
+            "torch.distributed" if "process group has not been initialized" in cause else "")
+
+
 def with_args(path: str, what: str, target: Callable[..., Any], args: Mapping[str, Any], args_key: str
               ) -> Callable[..., Any]:
     """`target` (a function or class) with its own arguments from the config bound by name."""

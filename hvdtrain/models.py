@@ -11,7 +11,7 @@ from torch import nn
 
 from hvdtrain.config import ModelConfig
 from hvdtrain.errors import UserError
-from hvdtrain.factory import call_factory, colon_hint, is_factory_path, resolve_factory
+from hvdtrain.factory import call_factory, colon_hint, is_factory_path, resolve_factory, unstarted_library
 
 RESNETS = {"resnet18": ("basic", (2, 2, 2, 2)), "resnet34": ("basic", (3, 4, 6, 3)),
            "resnet50": ("bottleneck", (3, 4, 6, 3)), "resnet101": ("bottleneck", (3, 4, 23, 3)),
@@ -94,7 +94,7 @@ def build_model(cfg: ModelConfig, input_shape: tuple[int, ...] | None, num_class
                                          "input_shape": "the samples' input is not one tensor"},
                                 args=cfg.args, args_key="model.args", convention=KWARGS_CONVENTION)
         except UserError as err:
-            if "process group has not been initialized" not in str(err.__cause__):
+            if unstarted_library(err) != "torch.distributed":
                 raise
             cause = err.__cause__
             raise UserError(f"model factory '{cfg.name}' raised {type(cause).__name__}: {str(cause).rstrip('.')}: hvdtrain starts a "

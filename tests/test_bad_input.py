@@ -88,6 +88,10 @@ CASES = {
                                                 "torch.distributed process group only under torchrun, and its engine "
                                                 "averages the gradients itself: return the model without "
                                                 "DistributedDataParallel"),
+    "Horovod's optimizer without Horovod": (["--optimizer", "user_code:wrapped_optimizer"], "optimizer factory "
+                                            "'user_code:wrapped_optimizer' uses Horovod, which this engine has not "
+                                            "started (ValueError: Horovod has not been initialized; use hvd.init().): "
+                                            "return the optimizer itself"),
     "a model built in half precision": (["--model", "user_code:half_net"], "a model built in float16 or bfloat16 "
                                         "(.half()) meets float32 inputs: build it in float32 and train with --precision"),
     "iterable data set": (["--data", "user_code:stream"], "returned an IterableDataset without a length: hvdtrain needs len()"),

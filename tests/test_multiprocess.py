@@ -219,6 +219,9 @@ BAD = {
     # Horovod in a process torchrun started is a world of one: two runs of one in one directory, once
     "Horovod engine under torchrun": (["--engine", "horovod"], "torchrun started 2 processes, which the Horovod engine"),
     "local engine under a launcher": (["--engine", "local"], "--engine local trains in one process alone, but 2 were"),
+    # a script's distributed optimizer would send every gradient twice: Horovod's under Horovod, ZeRO under torch
+    "optimizer already distributed": (["--optimizer", "user_code:wrapped_optimizer"],
+                                      "'user_code:wrapped_optimizer' returned {}: return the optimizer itself"),
 }
 
 
@@ -228,7 +231,8 @@ BAD = {
 BAD_RUNS = [(launcher, case) for launcher in LAUNCHERS for case in ("wrong config type", "loss not a scalar")
             if (launcher, case) != ("horovodrun-mpi", "loss not a scalar")] + [
     ("torchrun", "factory does not import"), ("horovodrun-gloo", "more processes than samples"),
-    ("torchrun", "Horovod engine under torchrun"), ("mpirun", "local engine under a launcher")]
+    ("torchrun", "Horovod engine under torchrun"), ("mpirun", "local engine under a launcher"),
+    ("horovodrun-mpi", "optimizer already distributed"), ("torchrun", "optimizer already distributed")]
 
 
 # Rank 0 starts this long after the others in the command-line case: launchers stop every rank once
@@ -252,7 +256,8 @@ def test_bad_input_under_each_launcher(launcher, case, tmp_path):
     output = done.stdout + done.stderr
     assert done.returncode != 0
     assert output.count("hvdtrain: error:") == 1, output  # from rank 0 only
-    assert message in output
+    assert message.format("a ZeroRedundancyOptimizer" if launcher == "torchrun" else "Horovod's DistributedOptimizer") \
+        in output
     assert "Traceback" not in output
     assert (existing / "untouched" / "conftest.py").read_text() == (ROOT / "tests/conftest.py").read_text()
 

@@ -304,6 +304,21 @@ def data_parallel_net(input_shape, num_classes):
     return nn.DataParallel(tiny_net(input_shape, num_classes))
 
 
+def wrapped_optimizer(model, lr):
+    """SGD in the distributed optimizer of the library that is started, as a script written for it has it:
+    Horovod's DistributedOptimizer (also where neither is, as a Horovod script has it), or torch's
+    ZeroRedundancyOptimizer."""
+    import torch.distributed
+
+    if torch.distributed.is_initialized():
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=lr)
+    import horovod.torch as hvd
+
+    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), named_parameters=model.named_parameters())
+
+
 def compiled_net(input_shape, num_classes):
     """A factory that compiles its model itself (the eager backend: no compiler needed)."""
     return torch.compile(tiny_net(input_shape, num_classes), backend="eager")

@@ -23,7 +23,7 @@ from hvdtrain.data.streams import StreamDataset
 from hvdtrain.data.sources import DataSplit, build_data
 from hvdtrain.engine import Engine, GradientSync
 from hvdtrain.errors import UserError
-from hvdtrain.factory import call_factory
+from hvdtrain.factory import call_factory, unstarted_library
 from hvdtrain.io.progress import mib
 from hvdtrain.models import DATA_PARALLEL, ModelShapes, unwrapped
 from hvdtrain.tasks import Task, build_task
@@ -174,17 +174,36 @@ def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
     # `params` makes a torch.optim class itself a factory: --optimizer torch.optim:Adam
     offered = {"model": model, "params": list(model.parameters()), "lr": cfg.lr}
-    made = call_factory(cfg.name, "optimizer", offered, args=cfg.args, args_key="optim.args",
-                        convention=("model", "lr"))
+    plain = ("return the optimizer itself (torch.optim.SGD(params, ...)): hvdtrain distributes it on either engine, "
+             "with --compression, --accumulate, --adasum and --shard-optimizer for what such wrappers take")
+    try:
+        made = call_factory(cfg.name, "optimizer", offered, args=cfg.args, args_key="optim.args",
+                            convention=("model", "lr"))
+    except UserError as err:  # such a wrapper, from a script written for it, where its library is not started
+        if not (library := unstarted_library(err)):
+            raise
+        raise UserError(f"optimizer factory '{cfg.name}' uses {library}, which this engine has not started "
+                        f"({type(err.__cause__).__name__}: {err.__cause__}): {plain}") from err.__cause__
     if not isinstance(made, torch.optim.Optimizer):
         raise UserError(f"optimizer factory '{cfg.name}' returned {type(made).__name__}: return a "
                         "torch.optim.Optimizer over the model's parameters")
+    if wrapper := _distributed_wrapper(made):
+        raise UserError(f"optimizer factory '{cfg.name}' returned {wrapper}: {plain}")
     if isinstance(made, torch.optim.SparseAdam):  # it refuses dense gradients at its first step, on every rank
         raise UserError(f"optimizer factory '{cfg.name}' made a SparseAdam, which takes sparse gradients only, and "
                         "gradients are allreduced dense: use torch.optim:Adam (or adamw), the same update on them")
     for group in made.param_groups:  # each group follows the schedule at its own ratio to optim.lr
         group.setdefault("lr_ratio", group["lr"] / cfg.lr)
     return made
+
+
+def _distributed_wrapper(optimizer: torch.optim.Optimizer) -> str:
+    """The name of a distributed optimizer that wraps another ("" for a plain one): Horovod's
+    DistributedOptimizer (a subclass made at run time of the optimizer it wraps, whose gradient hooks
+    would allreduce every gradient a second time) or torch's ZeroRedundancyOptimizer."""
+    if any(cls.__module__.startswith("horovod.") for cls in type(optimizer).__mro__):
+        return "Horovod's DistributedOptimizer"
+    return "a ZeroRedundancyOptimizer" if type(optimizer).__name__ == "ZeroRedundancyOptimizer" else ""
 
 
 def state_factor(config: Config) -> int | None:
