@@ -45,11 +45,22 @@ def test_a_script_with_objects_ends_with_the_command_s_weights(launcher, command
     Last, rank 1's data set fails in a data-loader worker. Its fit raises FailedAt naming it; rank 0's raises
     AnotherRankFailed (not the engine's own error, which reads as a failure of rank 0); the script catches
     both and ends. Before, the failed fit's workers (kept alive by the exception's frames, and ignoring
-    SIGTERM) kept the interpreter from exiting: the job hung."""
+    SIGTERM) kept the interpreter from exiting: the job hung.
+
+    Under mpirun and torchrun the script starts Horovod (hvd.init()) or its process group itself first, as
+    scripts written for them do: fit joins it, and leaves it running for the script's own use after (before,
+    fit shut down the script's Horovod, and refused the script's process group as a failed fit's)."""
     import psutil
 
-    done = run([*python_under(launcher), str(SCRIPT), str(tmp_path / "run")], cwd=tmp_path, timeout=180)
+    own = ["own-library"] if launcher in ("mpirun", "torchrun") else []
+    done = run([*python_under(launcher), str(SCRIPT), str(tmp_path / "run"), *own], cwd=tmp_path, timeout=180)
     assert_ok(done)
+    if own:
+        for rank in (0, 1):
+            assert f"rank {rank} own library after the fits: sum of ranks 1" in done.stdout, done.stdout[-2000:]
+    if launcher == "torchrun":
+        assert "rendezvous (the script's own process group)" in done.stderr, done.stderr[-2000:]
+        assert "rendezvous env://" not in done.stderr, done.stderr[-2000:]  # every fit joined it
     for rank in (0, 1):
         assert f"rank {rank} summary epochs 3 world size 2" in done.stdout, done.stdout[-2000:]
     summaries = {rank: json.JSONDecoder().raw_decode(done.stdout.split(f"rank {rank} whole summary ", 1)[1])[0]

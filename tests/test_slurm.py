@@ -194,8 +194,8 @@ def test_the_torch_engine_across_nodes_meets_on_the_step_s_first_node(cluster):
     _, env = cluster
     env = {key: value for key, value in env.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
     env.update(SLURM_STEP_NODELIST="node[07-09],gpu1", SLURM_JOB_ID="41")
-    done = subprocess.run([sys.executable, "-c", "import os; from hvdtrain.engine.torch_distributed import "
-                           "_init_method; print(_init_method(one_host=False), os.environ['MASTER_ADDR'], "
+    done = subprocess.run([sys.executable, "-c", "import os; from hvdtrain.engine.rendezvous import "
+                           "init_method; print(init_method(one_host=False), os.environ['MASTER_ADDR'], "
                            "os.environ['MASTER_PORT'])"], env=env, capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["env://", "node07", str(29500 + 41)], done.stderr[-2000:]
 

@@ -205,14 +205,14 @@ def test_a_batch_script_s_own_process_is_no_launched_rank(monkeypatch):
 
 def test_only_a_rank_0_that_could_not_listen_leaves_the_others_waiting():
     """torch's words for a port rank 0 could not open, as against a rendezvous that began and failed."""
-    from hvdtrain.engine.torch_distributed import _could_not_listen
+    from hvdtrain.engine.rendezvous import could_not_listen
 
-    assert _could_not_listen(torch.distributed.DistNetworkError(
+    assert could_not_listen(torch.distributed.DistNetworkError(
         "The server socket has failed to listen on any local network address. port: 29500, useIpv6: false, "
         "code: -98, name: EADDRINUSE, message: address already in use"))
-    assert _could_not_listen(RuntimeError("The server socket has failed to bind to [::]:29500 (errno: 98 - Address "
+    assert could_not_listen(RuntimeError("The server socket has failed to bind to [::]:29500 (errno: 98 - Address "
                                           "already in use)."))
-    assert not _could_not_listen(torch.distributed.DistStoreError(
+    assert not could_not_listen(torch.distributed.DistStoreError(
         "Timed out after 361 seconds waiting for clients. 1/2 clients joined."))
 
 
@@ -305,3 +305,34 @@ def _venv_with_torch_alone(venv, packages):
     site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                           check=True, capture_output=True, text=True).stdout.strip()
     (Path(site) / "torch-alone.pth").write_text(f"{packages}\n")
+
+
+_SCRIPTS_GROUP = """
+import os, tempfile, torch, torch.distributed as dist
+from hvdtrain.engine.torch_distributed import TorchEngine
+from hvdtrain.errors import UserError
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+os.environ.update(TORCHELASTIC_RUN_ID="x", RANK="0", WORLD_SIZE="{size}", LOCAL_RANK="0", LOCAL_WORLD_SIZE="{size}")
+try:
+    engine = TorchEngine.start(torch.device("cpu"))
+    print("joined", engine.describe(), engine.allreduce_sum(torch.ones(1), "t").item())
+    engine.shutdown(finished=True)
+    print("left to the script:", dist.is_initialized())
+except UserError as err:
+    print("refused:", err)
+"""
+
+
+@pytest.mark.parametrize("size, said", [
+    (1, "joined rank 0/1 local_rank 0/1 device cpu controller gloo threads"),
+    (2, "refused: rank 0: this script's own process group makes it rank 0 of 1, and the launcher started it as "
+        "rank 0 of 2: init_process_group with the launcher's RANK and WORLD_SIZE (its defaults do), or leave the "
+        "process group to hvdtrain"),
+])
+def test_a_script_s_own_process_group_is_joined_and_left_to_it_or_refused_where_it_is_not_the_launcher_s(size, said):
+    done = subprocess.run([sys.executable, "-c", _SCRIPTS_GROUP.format(size=size)], env=launch_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert said in done.stdout, done.stdout + done.stderr[-2000:]
+    if size == 1:
+        assert "rendezvous (the script's own process group) 1.0" in done.stdout
+        assert "left to the script: True" in done.stdout

@@ -30,13 +30,11 @@ else:
     _import_error = None
 
 
-# Open MPI busy-polls while a collective waits, and Horovod's background thread waits in one
-# every cycle (1 ms): on a host whose cores all compute (CPU training) that thread takes the
-# core from its own rank's forward and backward. Yielding gives it back. At np=2 on 2 cores:
-# 3232, 3207, 3274 samples/s against 1993, 2372, 2451 busy-polling; allreduce alone (4 KB to
-# 64 MB, cores otherwise idle) equal within the noise (BENCHMARKS.md).
+# Open MPI busy-polls while a collective waits, and Horovod's background thread waits in one every cycle
+# (1 ms): on a host whose cores all compute (CPU training) that thread takes the core from its own rank's
+# forward and backward. Yielding gives it back. At np=2 on 2 cores: 3232, 3207, 3274 samples/s against
+# 1993, 2372, 2451 busy-polling; allreduce alone (4 KB to 64 MB) equal within the noise (BENCHMARKS.md).
 MPI_SETTINGS = {"OMPI_MCA_mpi_yield_when_idle": "1"}
-
 
 _ours: dict[str, str] = {}  # the Horovod variables hvdtrain set, as it set them
 _horovod_finalized_mpi = False  # this process's MPI was Horovod's own, and its shutdown ended it
@@ -111,6 +109,7 @@ def is_collective_failure(err: BaseException) -> bool:
 class HorovodEngine(WatchedEngine):
     """Wraps an initialised Horovod; build it with `HorovodEngine.start()`."""
     name = "horovod"
+    scripts_own = False  # Horovod was started by the script that calls fit, which goes on using it
 
     def __init__(self, device: torch.device, controller: str):
         self.device = device
@@ -147,6 +146,7 @@ class HorovodEngine(WatchedEngine):
         _set_ours("HOROVOD_TIMELINE", "DYNAMIC" if timeline else None, over_theirs=timeline)
         if hvd.mpi_built() and _mpi_controls():
             _start_mpi(keep_mpi)
+        HorovodEngine.scripts_own = hvd.is_initialized()  # its hvd.init() first: left running after fit
         hvd.init()
 
     @staticmethod
@@ -260,7 +260,8 @@ class HorovodEngine(WatchedEngine):
         hvd.barrier()
 
     def _shutdown(self, finished: bool) -> None:
-        hvd.shutdown()
+        if not self.scripts_own:
+            hvd.shutdown()
 
 
 class _Contiguous:

@@ -28,8 +28,9 @@ import torch.distributed as dist
 from hvdtrain.engine.base import GradientSync
 from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.engine.buckets import BucketHooks, buckets, grads_with_flags, write_back
-from hvdtrain.engine.environment import launcher_facts, port_for_job, slurm_first_node, torchrun_restarts
+from hvdtrain.engine.environment import launcher_facts, torchrun_restarts
 from hvdtrain.engine.parent_death import end_with_the_agent
+from hvdtrain.engine.rendezvous import could_not_listen, init_method, require_resolvable
 from hvdtrain.errors import RendezvousFailed, UserError, message_lines
 from hvdtrain.engine.activity import SET_UP_SECONDS, Activity
 from hvdtrain.engine.watchdog import Board, StallWatchdog
@@ -77,6 +78,7 @@ class TorchEngine(WatchedEngine):
         self._gradients: _OverlappedAverage | None = None
         self._watchdog: StallWatchdog | None = None
         self.rendezvous = rendezvous  # where the ranks met, for the start line
+        self._scripts_own = False  # the process group is the calling script's, left to it after fit
 
     @staticmethod
     def local_facts() -> tuple[int, int]:
@@ -85,24 +87,25 @@ class TorchEngine(WatchedEngine):
 
     @classmethod
     def start(cls, device: torch.device, stall_timeout: int = 300) -> "TorchEngine":
+        global _starts, _ours_left
         end_with_the_agent()
         facts = _required_facts()
         rank, size, local_rank, local_size = facts
-        init_method = _init_method(local_size == size)
+        method = init_method(local_size == size)
         backend = "nccl" if device.type == "cuda" else "gloo"
         # The process group's own timeout is a last resort: the stall watchdog reports first, naming ranks
         # (in set-up, after SET_UP_SECONDS at least).
         timeout = datetime.timedelta(seconds=max(stall_timeout, SET_UP_SECONDS) + 60 if stall_timeout > 0 else 1800)
-        where = f"{init_method}{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" \
-            if init_method == "env://" else init_method
-        if dist.is_initialized():  # a failed fit leaves its group as it is (`_shutdown`)
+        where = f"{method}{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if method == "env://" else method
+        if dist.is_initialized() and _ours_left:  # a failed fit leaves its group as it is (`_shutdown`)
             raise UserError(f"rank {rank}: an earlier fit or evaluate in this process failed and left its process "
                             "group: start the next one in a launch of its own")
+        if dist.is_initialized():
+            return cls._in_the_scripts_group(device, facts, backend)
         if rank != 0:  # rank 0 hosts the rendezvous; the others connect to it
-            _require_resolvable(where, rank)
-        global _starts
+            require_resolvable(where, rank)
         try:
-            store, _, _ = next(dist.rendezvous(init_method, rank, size, timeout=timeout))
+            store, _, _ = next(dist.rendezvous(method, rank, size, timeout=timeout))
             if restarts := torchrun_restarts():  # dist: the agent's store keeps the last attempt's addresses
                 store = dist.PrefixStore(f"hvdtrain-restart-{restarts}/", store)
             if _starts:
@@ -111,14 +114,34 @@ class TorchEngine(WatchedEngine):
                 store = dist.PrefixStore(f"hvdtrain-fit-{_starts}/", store)
             _starts += 1
             dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+            _ours_left = True
         except (RuntimeError, ValueError) as err:  # DistNetworkError, DistStoreError and the like
             raise RendezvousFailed(
                 f"rank {rank}: the ranks could not meet at {where}: {message_lines(err)}. The port may be in use "
                 "(set MASTER_PORT, or HVDTRAIN_INIT_METHOD=tcp://HOST:PORT, to a free one), or the host may not "
                 "be rank 0's or not reachable from this one (MASTER_ADDR)",
-                others_wait=rank == 0 and _could_not_listen(err)) from err
+                others_wait=rank == 0 and could_not_listen(err)) from err
         engine = cls(device, facts, where)
         engine._store = store
+        return engine
+
+    @classmethod
+    def _in_the_scripts_group(cls, device: torch.device, facts: tuple[int, int, int, int], backend: str) -> "TorchEngine":
+        """The process group of the script that calls fit (its own init_process_group came first): used as it
+        is, and left to the script, which goes on using it."""
+        rank, size = dist.get_rank(), dist.get_world_size()
+        theirs = dict(part.split(":") for part in dist.get_backend_config().split(","))  # cpu:gloo,cuda:nccl
+        if (rank, size) != facts[:2]:
+            raise UserError(f"rank {facts[0]}: this script's own process group makes it rank {rank} of {size}, and "
+                            f"the launcher started it as rank {facts[0]} of {facts[1]}: init_process_group with the "
+                            "launcher's RANK and WORLD_SIZE (its defaults do), or leave the process group to hvdtrain")
+        if theirs.get(device.type) != backend:
+            raise UserError(f"this script's own process group uses {theirs.get(device.type, 'nothing')} on "
+                            f"{device.type}, and training there needs {backend}: init_process_group('{backend}'), or "
+                            "leave the process group to hvdtrain")
+        engine = cls(device, facts, "(the script's own process group)")
+        engine.controller, engine._scripts_own = backend, True
+        engine._store = dist.distributed_c10d._get_default_store()
         return engine
 
     def _board(self) -> Board | None:
@@ -189,8 +212,8 @@ class TorchEngine(WatchedEngine):
         dist.barrier()
 
     def _shutdown(self, finished: bool) -> None:
-        global _leave_at_once
-        if not dist.is_initialized():
+        global _leave_at_once, _ours_left
+        if not dist.is_initialized() or self._scripts_own:
             return
         # The command leaves with os._exit (cli/leaving.py) either way: the interpreter's own teardown of
         # the C++ side (the store client, Gloo's contexts) ended in terminate now and then (SIGABRT,
@@ -204,6 +227,7 @@ class TorchEngine(WatchedEngine):
         # watchdogs publish there) left a rank's thread in a store call at exit: SIGABRT.
         dist.barrier()
         dist.destroy_process_group()
+        _ours_left = False
 
     def _collective_device(self) -> torch.device:
         return self.device if self.controller == "nccl" else torch.device("cpu")
@@ -302,55 +326,9 @@ class _OverlappedAverage:
         self.hooks.reset()
 
 
-def _init_method(one_host: bool) -> str:
-    """Where the ranks meet: HVDTRAIN_INIT_METHOD (tcp://HOST:PORT, as init_process_group's
-    init_method), else env:// (MASTER_ADDR and MASTER_PORT; on one host they default to
-    127.0.0.1 and a port derived from the launcher's job id)."""
-    method = os.environ.get("HVDTRAIN_INIT_METHOD", "env://")
-    if not method.startswith(("tcp://", "env://", "file://")):
-        raise UserError(f"HVDTRAIN_INIT_METHOD must be tcp://HOST:PORT (rank 0's host and a free port), env:// "
-                        f"or file://PATH, got '{method}'")
-    if method == "env://" and "MASTER_ADDR" not in os.environ and not one_host:
-        first_node = slurm_first_node()
-        if first_node:
-            os.environ["MASTER_ADDR"] = first_node  # dist: rank 0 runs on the step's first node
-    if method == "env://" and "MASTER_ADDR" not in os.environ:
-        if not one_host:
-            raise UserError("--engine torch across hosts needs MASTER_ADDR and MASTER_PORT (rank 0's host and a "
-                            "free port) in every process's environment, e.g. mpirun -x MASTER_ADDR -x MASTER_PORT "
-                            "(launch/slurm.sbatch sets them), or HVDTRAIN_INIT_METHOD=tcp://HOST:PORT")
-        os.environ["MASTER_ADDR"] = "127.0.0.1"  # dist: every rank on this host
-    if method == "env://":
-        os.environ.setdefault("MASTER_PORT", str(port_for_job()))
-    return method
-
-
-def _could_not_listen(err: BaseException) -> bool:
-    """The rendezvous's host could not open its port (torch's words for EADDRINUSE and the like), as
-    against a rendezvous that began and failed later (a timeout, a rank that left)."""
-    text = str(err).lower()
-    return any(words in text for words in ("failed to listen", "failed to bind", "address already in use"))
-
-
-def _require_resolvable(where: str, rank: int) -> None:
-    """A host name that does not resolve fails at once, not after the rendezvous timeout (torch
-    retries it for minutes)."""
-    import socket
-    from urllib.parse import urlsplit
-
-    host = urlsplit(where).hostname
-    if not host or where.startswith("file://"):
-        return
-    try:
-        socket.getaddrinfo(host, None)
-    except OSError as err:
-        raise RendezvousFailed(f"rank {rank}: the ranks cannot meet at {where}: host '{host}' does not resolve "
-                               f"({err.strerror or err}). MASTER_ADDR (or the host in HVDTRAIN_INIT_METHOD) must "
-                               "name rank 0's host") from err
-
-
 _leave_at_once = False  # the engine has shut down: the process ends at once (cli/leaving.py)
 _starts = 0  # process groups this process has started: each fit of the Python API starts one
+_ours_left = False  # the process group is one this engine started and has not destroyed (a failed fit's)
 
 
 def leaves_at_once() -> bool:
