@@ -217,8 +217,10 @@ def test_a_model_in_data_parallel_trains_as_the_module_inside_it(tmp_path, capsy
         runs[model] = tmp_path / model
         main(["fit", *LOCAL, "--data", "user_code:blobs", "--model", f"user_code:{model}", "--epochs", "1",
               "--batch-size", "16", "--run-dir", str(runs[model])])
-    assert capsys.readouterr().out.count("hvdtrain: warning: the model comes wrapped in DataParallel: hvdtrain trains "
-                                         "the module inside it") == 1
+    out = capsys.readouterr().out
+    assert out.count("hvdtrain: warning: the model comes wrapped in DataParallel: hvdtrain trains the module inside "
+                     "it") == 1
+    assert out.count(" after 1 epoch (best ") == 2, out  # one epoch, not "1 epochs"
     assert_same_weights(final_weights(runs["data_parallel_net"]), final_weights(runs["tiny_net"]), atol=0)
     main(["evaluate", str(runs["data_parallel_net"]), "--output", str(tmp_path / "e.json")])
     assert json.loads((tmp_path / "e.json").read_text())["acc"] == run_summary(runs["data_parallel_net"])["val_acc"]

@@ -55,7 +55,8 @@ def say_how_it_ended(summary: dict[str, Any], record: dict[str, Any], best: dict
         say(f"hvdtrain: stopped: {stopped.reason}; at epoch {stopped.epoch}, step {stopped.step:,}{inside}")
     if record:
         best_text = f" (best {best[key]:.4f} at epoch {best['epoch']})" if best else ""
-        say(f"hvdtrain: done: {key} {record[key]:.4f} after {summary['epochs']} epochs{best_text}; "
+        epochs = f"{summary['epochs']} epoch{'' if summary['epochs'] == 1 else 's'}"
+        say(f"hvdtrain: done: {key} {record[key]:.4f} after {epochs}{best_text}; "
             f"results in {run_dir}/summary.json")
     elif not stopped:
         say(f"hvdtrain: nothing to do: {run_dir} already finished {summary['epochs']} epochs")
