@@ -55,9 +55,18 @@ DDP would average the gradients a second time)."""
 def unwrapped(model: nn.Module) -> nn.Module:
     """The module itself, without torch.compile's wrapper (`--compile`'s, or a factory's own) nor
     DataParallel's or DDP's: checkpoints keep plain names, and evaluate, predict and export load them into it."""
-    while (inner := model.module if isinstance(model, DATA_PARALLEL) else getattr(model, "_orig_mod", model)) is not model:
+    while (inner := model.module if type(model) in DATA_PARALLEL else getattr(model, "_orig_mod", model)) is not model:
         model = inner
     return model
+
+
+def load_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """`model.load_state_dict(weights)`; weights saved while a factory's DataParallel or DDP was trained as
+    it was (every name `module.…`, before hvdtrain took those off) load into the module itself."""
+    if weights and all(name.startswith("module.") for name in weights) and \
+            not any(name.startswith("module.") for name in model.state_dict()):
+        weights = {name.removeprefix("module."): value for name, value in weights.items()}
+    model.load_state_dict(weights)
 
 
 def build_model(cfg: ModelConfig, input_shape: tuple[int, ...] | None, num_classes: int | None,
@@ -98,10 +107,14 @@ def build_model(cfg: ModelConfig, input_shape: tuple[int, ...] | None, num_class
                 raise
             cause = err.__cause__
             raise UserError(f"model factory '{cfg.name}' raised {type(cause).__name__}: {str(cause).rstrip('.')}: hvdtrain starts a "
-                            "torch.distributed process group only under torchrun, and its engine averages the gradients "
-                            "itself: return the model without DistributedDataParallel") from cause
+                            "torch.distributed process group only on the torch engine (torchrun, or --engine torch), "
+                            "and either engine averages the gradients itself: return the model without "
+                            "DistributedDataParallel") from cause
         if not isinstance(made, nn.Module):
             raise UserError(f"model factory '{cfg.name}' returned {type(made).__name__}: return a torch.nn.Module")
+        if type(inner := getattr(made, "_orig_mod", made)) in DATA_PARALLEL and inner is not made:
+            raise UserError(f"model factory '{cfg.name}' compiles a {type(inner).__name__}: hvdtrain does its work "
+                            "itself; compile the module inside it (or pass --compile)")
         return made
     raise UserError(f"unknown model '{cfg.name}': use one of {', '.join(BUILT_IN)} or "
                     f"package.module:function{colon_hint(cfg.name)}")

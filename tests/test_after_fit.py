@@ -226,6 +226,22 @@ def test_a_model_in_data_parallel_trains_as_the_module_inside_it(tmp_path, capsy
     assert json.loads((tmp_path / "e.json").read_text())["acc"] == run_summary(runs["data_parallel_net"])["val_acc"]
 
 
+def test_weights_saved_with_data_parallel_s_names_load_into_the_module_itself():
+    """A checkpoint of a DataParallel model written before hvdtrain took the wrapper off (every name `module.`)
+    loads into the module; a model whose own names start with `module.` keeps them."""
+    from torch import nn
+
+    from hvdtrain.models import load_weights
+
+    source, plain = nn.Linear(3, 2), nn.Linear(3, 2)
+    load_weights(plain, nn.DataParallel(source).state_dict())
+    assert torch.equal(plain.weight, source.weight)
+    holder = nn.Sequential()
+    holder.module = nn.Linear(3, 2)
+    load_weights(holder, {f"module.{name}": value for name, value in source.state_dict().items()})
+    assert torch.equal(holder.module.weight, source.weight)
+
+
 # --- plot and runs -------------------------------------------------------------------------
 
 

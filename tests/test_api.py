@@ -19,6 +19,7 @@ from hvdtrain import UserError
 
 SCRIPT = ROOT / "tests" / "workers" / "api_script.py"
 LAUNCH = ROOT / "tests" / "workers" / "api_launch.py"
+OWN_HOROVOD = ROOT / "tests" / "workers" / "own_horovod.py"
 SWEEP = ROOT / "tests" / "workers" / "api_sweep.py"
 # The script's pieces as the command names them (tests/user_code.py).
 AS_FACTORIES = ["--data", "user_code:blobs_split", "--model", "user_code:tiny_net", "--task", "torch.nn:CrossEntropyLoss",
@@ -81,6 +82,19 @@ def test_a_script_with_objects_ends_with_the_command_s_weights(launcher, command
     assert "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
     time.sleep(1)
     assert not [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.multiprocess
+@requires_launchers
+def test_a_script_s_own_horovod_without_mpi4py_outlives_its_fits(tmp_path):
+    """hvd.init() by the script, no mpi4py: Horovod started MPI, and hvdtrain must neither shut it down nor take
+    its second fit for one after MPI ended; a timeline, which the script's start did not allow, is one error."""
+    done = assert_ok(run(["mpirun", "-np", "1", sys.executable, str(OWN_HOROVOD), str(tmp_path / "run")], cwd=tmp_path,
+                         timeout=120))
+    assert "fit 1: world size 1" in done.stdout and "fit 2: world size 1" in done.stdout, done.stdout[-2000:]
+    assert "refused: --horovod-timeline needs HOROVOD_TIMELINE=DYNAMIC when Horovod starts, and this script " \
+           "started Horovod itself (hvd.init()) without it" in done.stdout
+    assert "after the fits: Horovod of 1, allreduce 1.0" in done.stdout
 
 
 @pytest.mark.multiprocess
@@ -165,11 +179,19 @@ def test_what_fit_refuses_it_refuses_in_one_error(call, message, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_list_of_two_data_sets_is_the_train_val_pair(tmp_path):
+def test_a_list_of_two_data_sets_is_the_train_val_pair_and_a_data_set_that_is_a_list_is_one(tmp_path):
     train, val = _blobs(), TensorDataset(*_blobs()[:30])
     summary = hvdtrain.fit(model="user_code:tiny_net", data=[train, val], epochs=1, batch_size=16,
                            run_dir=str(tmp_path / "run"), progress="off", engine="local")
     assert summary["val_samples"] == 30
+
+    class Samples(list, torch.utils.data.Dataset):  # a list of (x, y) samples: not train, val and test sets
+        pass
+
+    summary = hvdtrain.fit(model="user_code:tiny_net", data=Samples(zip(*_blobs()[:])), epochs=1, batch_size=16,
+                           run_dir=str(tmp_path / "samples"), progress="off", engine="local",
+                           overrides={"data.num_classes": 3})
+    assert summary["val_samples"] == 24  # data.val_fraction (0.2) of its 120 samples
 
 
 def test_evaluating_a_run_of_objects_from_the_command_says_why_it_cannot(tmp_path):

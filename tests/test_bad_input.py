@@ -77,7 +77,7 @@ CASES = {
                                   "data set (loader.dataset): hvdtrain makes the loaders"),
     "Keras' (x, y)": (["--data", "user_code:keras_arrays"], "returned a tuple of 2 arrays of 64 rows, not a data set: "
                                                            "make them one, torch.utils.data.TensorDataset("),
-    "a dict of splits": (["--data", "user_code:split_dict"], "returned a dict of 'train', 'validation', 'test': "
+    "a dict of splits": (["--data", "user_code:split_dict"], "returned a dict of 'train', 'test', 'validation': "
                          "return a (train, val) pair of its data sets, (splits['train'], splits['validation']) say"),
     "three data sets": (["--data", "user_code:three_splits"], "returned 3 data sets: return a (train, val) pair, "
                         "and evaluate another set after fit with `hvdtrain evaluate RUN_DIR --data module:function`"),
@@ -85,13 +85,16 @@ CASES = {
     "a model in DDP without a process group": (["--model", "user_code:ddp_mlp"], "model factory 'user_code:ddp_mlp' "
                                                 "raised ValueError: Default process group has not been initialized"
                                                 ", please make sure to call init_process_group: hvdtrain starts a "
-                                                "torch.distributed process group only under torchrun, and its engine "
-                                                "averages the gradients itself: return the model without "
-                                                "DistributedDataParallel"),
+                                                "torch.distributed process group only on the torch engine (torchrun, "
+                                                "or --engine torch), and either engine averages the gradients itself: "
+                                                "return the model without DistributedDataParallel"),
     "Horovod's optimizer without Horovod": (["--optimizer", "user_code:wrapped_optimizer"], "optimizer factory "
                                             "'user_code:wrapped_optimizer' uses Horovod, which this engine has not "
                                             "started (ValueError: Horovod has not been initialized; use hvd.init().): "
                                             "return the optimizer itself"),
+    "a compiled DataParallel": (["--model", "user_code:compiled_data_parallel"], "model factory "
+                                "'user_code:compiled_data_parallel' compiles a DataParallel: hvdtrain does its work "
+                                "itself; compile the module inside it (or pass --compile)"),
     "a model built in half precision": (["--model", "user_code:half_net"], "a model built in float16 or bfloat16 "
                                         "(.half()) meets float32 inputs: build it in float32 and train with --precision"),
     "iterable data set": (["--data", "user_code:stream"], "returned an IterableDataset without a length: hvdtrain needs len()"),

@@ -128,21 +128,21 @@ def test_each_elastic_attempt_s_run_files_are_closed(tmp_path, monkeypatch):
 def test_a_later_horovod_start_follows_its_own_settings_and_the_user_s_still_win(monkeypatch):
     """Horovod reads its stall and timeline variables at init; a second fit in a process (the Python API)
     sets them anew, where hvdtrain had set them, and leaves those the user set alone."""
-    from hvdtrain.engine import horovod
+    from hvdtrain.engine import horovod_start as horovod
 
     monkeypatch.setattr(horovod, "_ours", {})
     for name in ("HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_TIMELINE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "999")  # the user's
-    horovod._set_ours("HOROVOD_STALL_CHECK_TIME_SECONDS", "315")
-    horovod._set_ours("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "330")
-    horovod._set_ours("HOROVOD_TIMELINE", "DYNAMIC", over_theirs=True)
+    horovod.set_ours("HOROVOD_STALL_CHECK_TIME_SECONDS", "315")
+    horovod.set_ours("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "330")
+    horovod.set_ours("HOROVOD_TIMELINE", "DYNAMIC", over_theirs=True)
     assert [os.environ.get(n) for n in ("HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
                                         "HOROVOD_TIMELINE")] == ["315", "999", "DYNAMIC"]
     # The next start: a longer stall timeout, none for shutdown, no timeline.
-    horovod._set_ours("HOROVOD_STALL_CHECK_TIME_SECONDS", "1215")
-    horovod._set_ours("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", None)
-    horovod._set_ours("HOROVOD_TIMELINE", None)
+    horovod.set_ours("HOROVOD_STALL_CHECK_TIME_SECONDS", "1215")
+    horovod.set_ours("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", None)
+    horovod.set_ours("HOROVOD_TIMELINE", None)
     assert [os.environ.get(n) for n in ("HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
                                         "HOROVOD_TIMELINE")] == ["1215", "999", None]
 

@@ -22,7 +22,7 @@ from hvdtrain.config import Config
 from hvdtrain.data.sources import build_data
 from hvdtrain.engine import Engine
 from hvdtrain.errors import UserError, message_lines
-from hvdtrain.models import ModelShapes, unwrapped
+from hvdtrain.models import ModelShapes, load_weights, unwrapped
 from hvdtrain.tasks import Task, build_task
 
 
@@ -105,7 +105,7 @@ def _meta(state: dict[str, Any]) -> dict[str, Any]:
 
 def _load_weights(model: nn.Module, weights: dict[str, torch.Tensor], path: str) -> None:
     try:
-        model.load_state_dict(weights)
+        load_weights(model, weights)
     except RuntimeError as err:
         raise UserError(f"checkpoint '{path}' does not fit the model its config builds: "
                         f"{message_lines(err, 2)}; was the model's code changed since?") from err

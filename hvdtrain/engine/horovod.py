@@ -12,6 +12,7 @@ import torch
 
 from hvdtrain.engine.base import ElasticState, GradientSync, T
 from hvdtrain.engine.buckets import host_values
+from hvdtrain.engine.horovod_start import MPI_SETTINGS, mpi_controls, set_ours, start_mpi
 from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.errors import UserError
 from hvdtrain.engine.activity import SET_UP_SECONDS, Activity
@@ -30,68 +31,8 @@ else:
     _import_error = None
 
 
-# Open MPI busy-polls while a collective waits, and Horovod's background thread waits in one every cycle
-# (1 ms): on a host whose cores all compute (CPU training) that thread takes the core from its own rank's
-# forward and backward. Yielding gives it back. At np=2 on 2 cores: 3232, 3207, 3274 samples/s against
-# 1993, 2372, 2451 busy-polling; allreduce alone (4 KB to 64 MB) equal within the noise (BENCHMARKS.md).
-MPI_SETTINGS = {"OMPI_MCA_mpi_yield_when_idle": "1"}
-
-_ours: dict[str, str] = {}  # the Horovod variables hvdtrain set, as it set them
-_horovod_finalized_mpi = False  # this process's MPI was Horovod's own, and its shutdown ended it
-
-
-def _set_ours(name: str, value: str | None, over_theirs: bool = False) -> None:
-    """Sets (None: removes) a variable Horovod reads at init, unless the user set it: the value an
-    earlier start in this process set is hvdtrain's, and follows this start's settings."""
-    ours = name in _ours and os.environ.get(name) == _ours[name]
-    if not (ours or over_theirs or name not in os.environ):
-        return
-    if value is None:
-        if ours:
-            del os.environ[name]
-        _ours.pop(name, None)
-    else:
-        os.environ[name] = _ours[name] = value
-
-
-def _start_mpi(keep: bool) -> None:
-    """dist: MPI starts once in a process, and Horovod finalizes the MPI it started when it shuts down:
-    a second fit of a script (`keep`: the process goes on) would abort in MPI_Init. MPI started by
-    mpi4py is left to the process's exit, and Horovod starts and shuts down on it once per fit."""
-    global _horovod_finalized_mpi
-    import sys
-
-    if _horovod_finalized_mpi:
-        raise UserError("MPI can start only once in a process, and the last fit or evaluate here ended it: "
-                        "pip install mpi4py (launch/install.sh installs it with MPI), with which MPI lasts as "
-                        "long as the process, or run each in a launch of its own")
-    if not keep or "mpi4py.MPI" in sys.modules:  # the command's one start; or the user's own MPI
-        return
-    try:
-        import mpi4py
-    except ImportError:
-        _horovod_finalized_mpi = True
-        return
-    mpi4py.rc.errors = "default"  # MPI's errors stay fatal: mpi4py's own default makes them return codes
-    mpi4py.rc.thread_level = "multiple"  # as Horovod asks
-    from mpi4py import MPI
-
-    previous = sys.excepthook
-
-    def abort_on_uncaught(kind, value, traceback) -> None:
-        # dist: MPI_Finalize at exit waits for every rank; a rank whose script failed between two fits
-        # would wait there for ranks waiting in the next fit for it. Abort ends the job instead.
-        previous(kind, value, traceback)
-        MPI.COMM_WORLD.Abort(1)
-
-    sys.excepthook = abort_on_uncaught
-
-
-def _mpi_controls() -> bool:
-    """Whether Horovod will run on MPI: an MPI launch that is not horovodrun's Gloo."""
-    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ or os.environ.get("HOROVOD_CONTROLLER") == "gloo":
-        return False
-    return any(name in os.environ for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+_ours_running = False  # hvdtrain's own hvd.init() started Horovod, and no shutdown has followed
+_scripts_own = False  # at the last start, Horovod was running already, started by the calling script
 
 
 def horovod_available() -> bool:
@@ -109,7 +50,6 @@ def is_collective_failure(err: BaseException) -> bool:
 class HorovodEngine(WatchedEngine):
     """Wraps an initialised Horovod; build it with `HorovodEngine.start()`."""
     name = "horovod"
-    scripts_own = False  # Horovod was started by the script that calls fit, which goes on using it
 
     def __init__(self, device: torch.device, controller: str):
         self.device = device
@@ -117,6 +57,7 @@ class HorovodEngine(WatchedEngine):
         self.activity = Activity()
         self._watchdog: StallWatchdog | None = None
         self._adasum = False
+        self.scripts_own = _scripts_own  # Horovod is the calling script's: left running after fit
 
     # Read from Horovod each time: in elastic training they change when processes come and go.
     rank = property(lambda self: hvd.rank())
@@ -134,20 +75,24 @@ class HorovodEngine(WatchedEngine):
                 f"started by a launcher but Horovod does not import ({_import_error}): "
                 "run launch/install.sh, or run hvdtrain fit alone without horovodrun/mpirun"
             )
+        global _scripts_own, _ours_running
+        _scripts_own = hvd.is_initialized() and not _ours_running  # the script's own hvd.init() came first
+        if _scripts_own:
+            return  # its settings and its MPI; it goes on using Horovod after fit, which leaves it running
         longest = int(max(stall_timeout, SET_UP_SECONDS))
         # dist: hvdtrain's watchdog reports a stall first, with every rank's stack; Horovod's stall
         # inspector is the last resort behind it (a rank that could not reach rank 0's report port).
         # Horovod reads these at init; a user's own settings win. Set-up waits longer (SET_UP_SECONDS).
-        _set_ours("HOROVOD_STALL_CHECK_TIME_SECONDS", str(longest + 15) if stall_timeout > 0 else None)
-        _set_ours("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(longest + 30) if stall_timeout > 0 else None)
+        set_ours("HOROVOD_STALL_CHECK_TIME_SECONDS", str(longest + 15) if stall_timeout > 0 else None)
+        set_ours("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(longest + 30) if stall_timeout > 0 else None)
         for name, value in MPI_SETTINGS.items():  # read by MPI_Init; a user's own settings win
             os.environ.setdefault(name, value)
         # Read at init: start_timeline works only then.
-        _set_ours("HOROVOD_TIMELINE", "DYNAMIC" if timeline else None, over_theirs=timeline)
-        if hvd.mpi_built() and _mpi_controls():
-            _start_mpi(keep_mpi)
-        HorovodEngine.scripts_own = hvd.is_initialized()  # its hvd.init() first: left running after fit
+        set_ours("HOROVOD_TIMELINE", "DYNAMIC" if timeline else None, over_theirs=timeline)
+        if hvd.mpi_built() and mpi_controls():
+            start_mpi(keep_mpi)
         hvd.init()
+        _ours_running = True
 
     @staticmethod
     def local_facts() -> tuple[int, int]:
@@ -248,7 +193,10 @@ class HorovodEngine(WatchedEngine):
         return hvd.elastic.run(train)(state)
 
     def require_timeline(self) -> None:
-        pass
+        if self.scripts_own and "HOROVOD_TIMELINE" not in os.environ:
+            raise UserError("--horovod-timeline needs HOROVOD_TIMELINE=DYNAMIC when Horovod starts, and this script "
+                            "started Horovod itself (hvd.init()) without it: set it before hvd.init(), or drop "
+                            "--horovod-timeline")
 
     def start_timeline(self, path: Path) -> None:
         hvd.start_timeline(str(path), mark_cycles=False)  # dist: the coordinator (rank 0) writes it
@@ -260,8 +208,10 @@ class HorovodEngine(WatchedEngine):
         hvd.barrier()
 
     def _shutdown(self, finished: bool) -> None:
+        global _ours_running
         if not self.scripts_own:
             hvd.shutdown()
+            _ours_running = False
 
 
 class _Contiguous:

@@ -87,21 +87,22 @@ class TorchEngine(WatchedEngine):
 
     @classmethod
     def start(cls, device: torch.device, stall_timeout: int = 300) -> "TorchEngine":
-        global _starts, _ours_left
+        global _starts, _ours
         end_with_the_agent()
         facts = _required_facts()
         rank, size, local_rank, local_size = facts
-        method = init_method(local_size == size)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        # The process group's own timeout is a last resort: the stall watchdog reports first, naming ranks
-        # (in set-up, after SET_UP_SECONDS at least).
-        timeout = datetime.timedelta(seconds=max(stall_timeout, SET_UP_SECONDS) + 60 if stall_timeout > 0 else 1800)
-        where = f"{method}{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if method == "env://" else method
-        if dist.is_initialized() and _ours_left:  # a failed fit leaves its group as it is (`_shutdown`)
+        if dist.is_initialized() and any(dist.group.WORLD is group for group in (_left, _ours)):
+            # a failed fit leaves its group as it is; one this engine started is ended by it, or was left
             raise UserError(f"rank {rank}: an earlier fit or evaluate in this process failed and left its process "
                             "group: start the next one in a launch of its own")
         if dist.is_initialized():
             return cls._in_the_scripts_group(device, facts, backend)
+        method = init_method(local_size == size)
+        # The process group's own timeout is a last resort: the stall watchdog reports first, naming ranks
+        # (in set-up, after SET_UP_SECONDS at least).
+        timeout = datetime.timedelta(seconds=max(stall_timeout, SET_UP_SECONDS) + 60 if stall_timeout > 0 else 1800)
+        where = f"{method}{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if method == "env://" else method
         if rank != 0:  # rank 0 hosts the rendezvous; the others connect to it
             require_resolvable(where, rank)
         try:
@@ -114,7 +115,7 @@ class TorchEngine(WatchedEngine):
                 store = dist.PrefixStore(f"hvdtrain-fit-{_starts}/", store)
             _starts += 1
             dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-            _ours_left = True
+            _ours = dist.group.WORLD
         except (RuntimeError, ValueError) as err:  # DistNetworkError, DistStoreError and the like
             raise RendezvousFailed(
                 f"rank {rank}: the ranks could not meet at {where}: {message_lines(err)}. The port may be in use "
@@ -139,9 +140,13 @@ class TorchEngine(WatchedEngine):
             raise UserError(f"this script's own process group uses {theirs.get(device.type, 'nothing')} on "
                             f"{device.type}, and training there needs {backend}: init_process_group('{backend}'), or "
                             "leave the process group to hvdtrain")
+        global _starts
         engine = cls(device, facts, "(the script's own process group)")
         engine.controller, engine._scripts_own = backend, True
-        engine._store = dist.distributed_c10d._get_default_store()
+        # dist: each fit's activity under keys of its own: a rank not yet at this fit's first collective
+        # would otherwise show where it was in the last one
+        engine._store = dist.PrefixStore(f"hvdtrain-fit-{_starts}/", dist.distributed_c10d._get_default_store())
+        _starts += 1
         return engine
 
     def _board(self) -> Board | None:
@@ -212,7 +217,9 @@ class TorchEngine(WatchedEngine):
         dist.barrier()
 
     def _shutdown(self, finished: bool) -> None:
-        global _leave_at_once, _ours_left
+        global _leave_at_once, _left
+        if not finished:  # the ranks may be out of step in it: a next fit in this process is refused
+            _left = dist.group.WORLD
         if not dist.is_initialized() or self._scripts_own:
             return
         # The command leaves with os._exit (cli/leaving.py) either way: the interpreter's own teardown of
@@ -227,7 +234,6 @@ class TorchEngine(WatchedEngine):
         # watchdogs publish there) left a rank's thread in a store call at exit: SIGABRT.
         dist.barrier()
         dist.destroy_process_group()
-        _ours_left = False
 
     def _collective_device(self) -> torch.device:
         return self.device if self.controller == "nccl" else torch.device("cpu")
@@ -328,7 +334,8 @@ class _OverlappedAverage:
 
 _leave_at_once = False  # the engine has shut down: the process ends at once (cli/leaving.py)
 _starts = 0  # process groups this process has started: each fit of the Python API starts one
-_ours_left = False  # the process group is one this engine started and has not destroyed (a failed fit's)
+_left: Any = None  # the process group a failed fit left as it was (its own, or the calling script's)
+_ours: Any = None  # the process group this engine last started
 
 
 def leaves_at_once() -> bool:

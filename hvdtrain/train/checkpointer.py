@@ -27,7 +27,7 @@ from hvdtrain.train.loggers import StepLog
 from hvdtrain.train.loop import EpochSums
 from hvdtrain.train.random_state import rng_state
 from hvdtrain.train.running_stats import share_running_stats
-from hvdtrain.models import unwrapped
+from hvdtrain.models import load_weights, unwrapped
 from hvdtrain.train.setup import Run
 
 POLL_SECONDS = 0.5
@@ -213,7 +213,7 @@ def restore(run: Run, config: Config, run_dir: Path,
         raise UserError(f"checkpoint '{path}' was written by task '{written_by}', and this run's task is "
                         f"'{run.task.name}': resume with --task {written_by}, or start a new run in another --run-dir")
     try:
-        unwrapped(run.model).load_state_dict(state["model"])
+        load_weights(unwrapped(run.model), state["model"])
     except RuntimeError as err:
         raise UserError(f"checkpoint '{path}' does not fit this model: {message_lines(err, 3)}; resume with the "
                         f"settings it was written with{_settings_changed(state.get('config', {}), config)}") from err

@@ -81,7 +81,7 @@ def build(config: Config, engine: Engine) -> Run:
     task.check_data(split.target_dtype, split.target_shape)
     shapes = ModelShapes(split.input_shape, split.num_classes, task.num_outputs(split.num_classes, split.target_shape))
     model = shapes.build(config.model)
-    if isinstance(model, DATA_PARALLEL):
+    if type(model) in DATA_PARALLEL:
         if engine.rank == 0:
             warn(f"the model comes wrapped in {type(model).__name__}: hvdtrain trains the module inside it (one "
                  "process per device, its gradients averaged by the engine); return the module itself")

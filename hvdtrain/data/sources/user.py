@@ -80,7 +80,7 @@ def instead_of_data(made: Any, verb: str = "return") -> str:
     if isinstance(made, Mapping) and len(made) >= 2:
         keys = list(made)
         train = next((key for key in keys if str(key).startswith("train")), keys[0])
-        val = next(key for key in keys if key != train)
+        val = next((key for key in keys if str(key).startswith(("val", "dev"))), next(k for k in keys if k != train))
         return (f"a dict of {', '.join(repr(key) for key in keys)}: {verb} a (train, val) pair of its data sets, "
                 f"(splits[{train!r}], splits[{val!r}]) say")
     if several_data_sets(made):
@@ -95,14 +95,17 @@ def instead_of_data(made: Any, verb: str = "return") -> str:
 
 
 def several_data_sets(made: Any) -> bool:
-    """A train/val/test split given whole: more than two data sets in a tuple or list."""
-    return isinstance(made, (tuple, list)) and len(made) > 2 and all(map(_is_data_set, made))
+    """A train/val/test split given whole: more than two data sets in a plain tuple or list."""
+    return isinstance(made, (tuple, list)) and not isinstance(made, Dataset) and len(made) > 2 and \
+        all(map(is_data_set, made))
 
 
-def _is_data_set(part: Any) -> bool:
-    """A map-style or iterable data set, not an array (whose rows index it as well)."""
-    return isinstance(part, IterableDataset) or (hasattr(part, "__getitem__") and hasattr(part, "__len__")
-                                                 and not hasattr(part, "shape") and not isinstance(part, (str, bytes, Mapping)))
+def is_data_set(part: Any) -> bool:
+    """A map-style or iterable data set (a Hugging Face one too): not an array (whose rows index it as well)
+    nor a sample (a plain tuple, list or dict)."""
+    return isinstance(part, (Dataset, IterableDataset)) or (
+        hasattr(part, "__getitem__") and hasattr(part, "__len__") and not hasattr(part, "dtype")
+        and not isinstance(part, (str, bytes, Mapping, tuple, list)))
 
 
 def _arrays(made: Any) -> list[int]:
@@ -118,7 +121,7 @@ def _arrays(made: Any) -> list[int]:
 def _made(cfg: DataConfig) -> Any:
     """What the user's factory returns: the one place it is called. A list of two data sets is the pair."""
     made = call_factory(cfg.name, "data set", {}, args=cfg.args, args_key="data.args")
-    return tuple(made) if isinstance(made, list) and len(made) == 2 and all(map(_is_data_set, made)) else made
+    return tuple(made) if isinstance(made, list) and len(made) == 2 and all(map(is_data_set, made)) else made
 
 
 def _whole_stream(dataset: IterableDataset, cfg: DataConfig) -> IterableSource:
