@@ -95,6 +95,9 @@ CASES = {
     "a compiled DataParallel": (["--model", "user_code:compiled_data_parallel"], "model factory "
                                 "'user_code:compiled_data_parallel' compiles a DataParallel: hvdtrain does its work "
                                 "itself; compile the module inside it (or pass --compile)"),
+    "class names for targets": (["--data", "user_code:NamedLabels"], "in the first): task classification needs "
+                                "numbers: map each class name to its index in your Dataset, and give it a `classes` "
+                                "list of the names"),
     "a model built in half precision": (["--model", "user_code:half_net"], "a model built in float16 or bfloat16 "
                                         "(.half()) meets float32 inputs: build it in float32 and train with --precision"),
     "iterable data set": (["--data", "user_code:stream"], "returned an IterableDataset without a length: hvdtrain needs len()"),

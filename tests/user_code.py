@@ -275,6 +275,20 @@ def arrays_pair():
     return _x_and_y(64), _x_and_y(16)
 
 
+class NamedLabels(torch.utils.data.Dataset):
+    """Samples whose targets are class names, as a CSV's label column reads."""
+
+    def __init__(self):
+        x, y = _x_and_y()
+        self.samples = [(torch.as_tensor(row), ("cat", "dog")[label]) for row, label in zip(x, y)]
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        return self.samples[index]
+
+
 def split_dict():
     """Splits by name, as Hugging Face's load_dataset gives them: not a (train, val) pair."""
     return {name: torch.utils.data.TensorDataset(*map(torch.as_tensor, _x_and_y(n)))

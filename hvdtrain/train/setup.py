@@ -26,7 +26,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.factory import call_factory, unstarted_library
 from hvdtrain.io.progress import mib
 from hvdtrain.models import DATA_PARALLEL, ModelShapes, unwrapped
-from hvdtrain.tasks import Task, build_task
+from hvdtrain.tasks import BUILT_IN as BUILT_IN_TASKS, Task, build_task
 from hvdtrain.tasks.check import FirstBatch, best_metric, check_first_batch
 from hvdtrain.numerics.precision import Precision
 from hvdtrain.train.loggers import warn
@@ -78,6 +78,10 @@ def build(config: Config, engine: Engine) -> Run:
     if mapped.is_token_file(config.data.name):
         mapped.check_token_run(config.data.name, config.task.name, config.model.name)
     split: DataSplit = build_data(config.data, config.train.seed, task.target_key)
+    if split.text_target is not None and config.task.name in BUILT_IN_TASKS:
+        raise UserError(f"the samples' targets are text ({split.text_target!r} in the first): task "
+                        f"{config.task.name} needs numbers: map each class name to its index in your Dataset, and "
+                        "give it a `classes` list of the names (hvdtrain sizes the model by it)")
     task.check_data(split.target_dtype, split.target_shape)
     shapes = ModelShapes(split.input_shape, split.num_classes, task.num_outputs(split.num_classes, split.target_shape))
     model = shapes.build(config.model)

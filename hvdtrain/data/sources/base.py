@@ -31,6 +31,8 @@ class DataSplit:
     """Every target, when the data set holds them in memory (to check labels once)."""
     target_dtype: torch.dtype | None = None
     """One sample's target dtype; None when there is no target tensor."""
+    text_target: str | None = None
+    """The first sample's target where it is text (a class's name), which no built-in task takes."""
 
 
 class Source(Protocol):
@@ -55,4 +57,5 @@ def described(train: Dataset, val: Dataset, target_key: str, classes: int | None
     """The parts with what their first sample says of every sample (reading no further)."""
     inputs, target = split_batch(train[0], target_key)
     dtype = torch.as_tensor(target).dtype if introspect.shape_of(target) is not None else None
-    return DataSplit(train, val, introspect.shape_of(inputs), classes, introspect.shape_of(target), held, dtype)
+    text = str(target) if isinstance(target, (str, bytes)) else None
+    return DataSplit(train, val, introspect.shape_of(inputs), classes, introspect.shape_of(target), held, dtype, text)
