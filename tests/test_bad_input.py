@@ -98,6 +98,8 @@ CASES = {
     "class names for targets": (["--data", "user_code:NamedLabels"], "in the first): task classification needs "
                                 "numbers: map each class name to its index in your Dataset, and give it a `classes` "
                                 "list of the names"),
+    "untransformed images": (["--data", "user_code:Pictures"], "the samples' inputs are PIL images, which do not "
+                             "stack into a batch: give your Dataset a transform that makes each a tensor"),
     "a model built in half precision": (["--model", "user_code:half_net"], "a model built in float16 or bfloat16 "
                                         "(.half()) meets float32 inputs: build it in float32 and train with --precision"),
     "iterable data set": (["--data", "user_code:stream"], "returned an IterableDataset without a length: hvdtrain needs len()"),

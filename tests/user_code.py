@@ -289,6 +289,20 @@ class NamedLabels(torch.utils.data.Dataset):
         return self.samples[index]
 
 
+class Pictures(torch.utils.data.Dataset):
+    """torchvision's ImageFolder without a transform: PIL images."""
+
+    classes = ["a", "b"]
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, index):
+        from PIL import Image
+
+        return Image.new("RGB", (8, 8), (index, 0, 0)), index % 2
+
+
 def split_dict():
     """Splits by name, as Hugging Face's load_dataset gives them: not a (train, val) pair."""
     return {name: torch.utils.data.TensorDataset(*map(torch.as_tensor, _x_and_y(n)))

@@ -82,6 +82,10 @@ def build(config: Config, engine: Engine) -> Run:
         raise UserError(f"the samples' targets are text ({split.text_target!r} in the first): task "
                         f"{config.task.name} needs numbers: map each class name to its index in your Dataset, and "
                         "give it a `classes` list of the names (hvdtrain sizes the model by it)")
+    if split.image_input and config.data.collate is None:
+        raise UserError("the samples' inputs are PIL images, which do not stack into a batch: give your Dataset a "
+                        "transform that makes each a tensor (torchvision's transforms.ToTensor()), or batch them with "
+                        "a function of yours (--set data.collate=package.module:function)")
     task.check_data(split.target_dtype, split.target_shape)
     shapes = ModelShapes(split.input_shape, split.num_classes, task.num_outputs(split.num_classes, split.target_shape))
     model = shapes.build(config.model)

@@ -33,6 +33,8 @@ class DataSplit:
     """One sample's target dtype; None when there is no target tensor."""
     text_target: str | None = None
     """The first sample's target where it is text (a class's name), which no built-in task takes."""
+    image_input: bool = False
+    """The first sample's input is a PIL image, not made a tensor (no transform): no batch stacks them."""
 
 
 class Source(Protocol):
@@ -58,4 +60,6 @@ def described(train: Dataset, val: Dataset, target_key: str, classes: int | None
     inputs, target = split_batch(train[0], target_key)
     dtype = torch.as_tensor(target).dtype if introspect.shape_of(target) is not None else None
     text = str(target) if isinstance(target, (str, bytes)) else None
-    return DataSplit(train, val, introspect.shape_of(inputs), classes, introspect.shape_of(target), held, dtype, text)
+    image = type(inputs).__module__.startswith("PIL.")
+    return DataSplit(train, val, introspect.shape_of(inputs), classes, introspect.shape_of(target), held, dtype, text,
+                     image)
