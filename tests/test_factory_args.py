@@ -153,6 +153,30 @@ def test_a_warm_up_as_long_as_the_run_is_one_warning_line(tmp_path, capsys):
     assert "warning" not in capsys.readouterr().out
 
 
+def test_a_model_with_a_training_step_is_told_that_its_loss_is_the_task_s(tmp_path, capsys):
+    """A LightningModule's loss lives in training_step, which hvdtrain never calls: with a built-in task rank 0
+    says so once; with the user's own loss there is nothing to say."""
+    class Lit(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self(batch[0]), batch[1], label_smoothing=0.1)
+
+    blobs = "user_code:blobs"
+    hvdtrain.fit(model=Lit(), data=blobs, epochs=1, batch_size=16, run_dir=str(tmp_path / "run"), progress="off",
+                 engine="local", threads=1)
+    assert capsys.readouterr().out.count("hvdtrain: warning: the model has a training_step (a LightningModule's), "
+                                         "which hvdtrain never calls") == 1
+    hvdtrain.fit(model=Lit(), data=blobs, task=torch.nn.CrossEntropyLoss(label_smoothing=0.1), epochs=1, batch_size=16,
+                 run_dir=str(tmp_path / "own-loss"), progress="off", engine="local", threads=1)
+    assert "warning" not in capsys.readouterr().out
+
+
 def test_onecycle_s_warning_says_it_has_a_warm_up_of_its_own():
     config = Config.from_dict({}, {"optim.schedule": "onecycle", "optim.warmup_epochs": 100, "train.epochs": 1})
     assert config.warnings() == ["optim.warmup_epochs (100) is longer than train.epochs (1), and the onecycle "

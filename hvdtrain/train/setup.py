@@ -78,23 +78,10 @@ def build(config: Config, engine: Engine) -> Run:
     if mapped.is_token_file(config.data.name):
         mapped.check_token_run(config.data.name, config.task.name, config.model.name)
     split: DataSplit = build_data(config.data, config.train.seed, task.target_key)
-    if split.text_target is not None and config.task.name in BUILT_IN_TASKS:
-        raise UserError(f"the samples' targets are text ({split.text_target!r} in the first): task "
-                        f"{config.task.name} needs numbers: map each class name to its index in your Dataset, and "
-                        "give it a `classes` list of the names (hvdtrain sizes the model by it)")
-    if split.image_input and config.data.collate is None:
-        raise UserError("the samples' inputs are PIL images, which do not stack into a batch: give your Dataset a "
-                        "transform that makes each a tensor (torchvision's transforms.ToTensor()), or batch them with "
-                        "a function of yours (--set data.collate=package.module:function)")
+    _refuse_raw_samples(split, config)
     task.check_data(split.target_dtype, split.target_shape)
     shapes = ModelShapes(split.input_shape, split.num_classes, task.num_outputs(split.num_classes, split.target_shape))
-    model = shapes.build(config.model)
-    if type(model) in DATA_PARALLEL:
-        if engine.rank == 0:
-            warn(f"the model comes wrapped in {type(model).__name__}: hvdtrain trains the module inside it (one "
-                 "process per device, its gradients averaged by the engine); return the module itself")
-        model = model.module
-    model = model.to(engine.device)
+    model = _module_to_train(shapes.build(config.model), config, engine.rank).to(engine.device)
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     precision = Precision(config.train.precision, engine.device)
@@ -110,6 +97,33 @@ def build(config: Config, engine: Engine) -> Run:
     return Run(forward, optimizer, task, split, precision, shapes,
                workers=data_workers(config.data.num_workers, split.train, engine.device.type, engine.local_size),
                collate=collate_function(config.data.collate, config.task.ignore_index, task.target_key))
+
+
+def _refuse_raw_samples(split: DataSplit, config: Config) -> None:
+    """Samples as a file or a library gives them, before anything makes them what a batch needs."""
+    if split.text_target is not None and config.task.name in BUILT_IN_TASKS:
+        raise UserError(f"the samples' targets are text ({split.text_target!r} in the first): task "
+                        f"{config.task.name} needs numbers: map each class name to its index in your Dataset, and "
+                        "give it a `classes` list of the names (hvdtrain sizes the model by it)")
+    if split.image_input and config.data.collate is None:
+        raise UserError("the samples' inputs are PIL images, which do not stack into a batch: give your Dataset a "
+                        "transform that makes each a tensor (torchvision's transforms.ToTensor()), or batch them with "
+                        "a function of yours (--set data.collate=package.module:function)")
+
+
+def _module_to_train(model: nn.Module, config: Config, rank: int) -> nn.Module:
+    """The model as built, DataParallel or DDP taken off; rank 0 says what of a script written for another
+    trainer hvdtrain does not use."""
+    if type(model) in DATA_PARALLEL:
+        if rank == 0:
+            warn(f"the model comes wrapped in {type(model).__name__}: hvdtrain trains the module inside it (one "
+                 "process per device, its gradients averaged by the engine); return the module itself")
+        model = model.module
+    if rank == 0 and callable(getattr(model, "training_step", None)) and config.task.name in BUILT_IN_TASKS:
+        warn(f"the model has a training_step (a LightningModule's), which hvdtrain never calls, nor "
+             f"configure_optimizers: it trains forward's output with task {config.task.name}'s loss; give your loss "
+             "as --task package.module:function, and your optimizer as --optimizer")
+    return model
 
 
 def shard(run: Run, config: Config, engine: Engine) -> Shard:
