@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import (HOROVOD_AND_TORCH, LAUNCHERS, assert_ok, assert_same_weights, epoch_records, final_weights,
-                      fit_under, launch_env, requires_launchers, run, run_summary, step_losses)
+                      fit_under, free_port, launch_env, requires_launchers, run, run_summary, step_losses)
 
 pytestmark = [pytest.mark.multiprocess, requires_launchers, pytest.mark.timeout(300)]
 
@@ -163,6 +163,54 @@ def test_a_signal_to_the_launcher_before_any_rank_started_stops_them_at_the_firs
     assert job.returncode == 75, output[-3000:]
     assert output.count("hvdtrain: stopped by SIGUSR1 at epoch 1, step 1: checkpoint written") == 1, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
+
+
+def test_a_stop_while_torchrun_waits_for_other_nodes_ends_it_at_once(tmp_path):
+    """torchrun for two nodes, started on one: its agent waits in the rendezvous, with no worker to pass a stop
+    to. Ctrl-C was swallowed there (and a SIGTERM just before the workers started was lost: the job trained
+    on); now the agent ends as torch's own handler ends it, in one line."""
+    import socket
+
+    port = free_port()
+    job = subprocess.Popen([*LAUNCHERS["torchrun"][:1], "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend",
+                            "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--no-python", "hvdtrain", "fit", *ARGS,
+                            "--run-dir", str(tmp_path / "run")], env=launch_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and job.poll() is None:  # until the agent hosts the rendezvous
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.1)
+    time.sleep(1)  # and waits in it
+    job.send_signal(signal.SIGINT)
+    output, _ = job.communicate(timeout=30)
+    assert job.returncode == 130, output[-3000:]
+    assert "torchrun: stopped by SIGINT while no worker was running" in output, output[-3000:]
+    assert "Traceback" not in output and not (tmp_path / "run").exists(), output[-3000:]
+
+
+def test_a_stop_during_horovodrun_s_probe_for_mpi_ends_it_and_nothing_trains(tmp_path):
+    """A SIGTERM while horovodrun runs `mpirun --version` (before the job's own mpirun) reached the probe alone:
+    Horovod said MPI was not installed, or the job started and trained on. Now the launcher ends as the
+    signal's default would."""
+    import psutil
+
+    job = subprocess.Popen([*LAUNCHERS["horovodrun-mpi"], "hvdtrain", "fit", *ARGS, "--run-dir",
+                            str(tmp_path / "run")], env=launch_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    launcher, deadline, probing = psutil.Process(job.pid), time.monotonic() + 60, False
+    while not probing and time.monotonic() < deadline and job.poll() is None:
+        try:
+            probing = any("--version" in child.cmdline() for child in launcher.children(recursive=True))
+        except psutil.Error:  # a child gone meanwhile
+            pass
+        time.sleep(0.002)
+    assert probing, "the probe was not seen"
+    job.send_signal(signal.SIGTERM)
+    output, _ = job.communicate(timeout=60)
+    assert job.returncode == -signal.SIGTERM, output[-3000:]
+    assert "does not find an installed MPI" not in output and not (tmp_path / "run").exists(), output[-3000:]
 
 
 def _catches(pid: int, number: int) -> bool:

@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 # What a rank notes from its first moment instead of dying (hvdtrain.train.early_signals.HELD).
@@ -21,16 +22,20 @@ RANKS_START_SECONDS = 30.0
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "TORCHELASTIC_RUN_ID")
 _waiting: set[int] = set()  # held signals a thread passes on once the ranks hold them
 _launch_begun = False  # the launcher proper runs (it may start and end children of its own)
+_nothing_started: Callable[[int], None] | None = None  # the launcher's own end on a stop with nothing running
 _ranks_reached = False  # a signal reached ranks here (they stop, then leave)
 # How long a launcher whose ranks here are gone may take to end by itself before a signal reaches it.
 LAUNCHER_ENDS_SECONDS = 10.0
 
 
-def launch_begins() -> None:
-    """Said by a launcher entry as it starts the launcher proper: from here a signal with nothing to
-    pass it to is not this process's end (its children come and go: a probe, the ranks)."""
-    global _launch_begun
-    _launch_begun = True
+def launch_begins(nothing_started: Callable[[int], None] | None = None) -> None:
+    """Said by a launcher entry as the job itself starts (torchrun's agent; horovodrun's mpirun or first
+    worker, after its probes): from here its children are the job's, and get a stop signal no rank here
+    took. One while it runs nothing (torchrun waiting for other nodes) is `nothing_started(number)`
+    (torchrun's agent: its own exception, which ends what it started), else the signal's default:
+    swallowed, it left the launcher waiting, or training once its ranks came."""
+    global _launch_begun, _nothing_started
+    _launch_begun, _nothing_started = True, nothing_started
 
 
 def forward_to_ranks(number: int, frame: object = None) -> None:
@@ -53,8 +58,8 @@ def forward_to_ranks(number: int, frame: object = None) -> None:
 
 
 def _send(number: int, ranks: list) -> None:
-    """To `ranks`, else (none here) to this launcher's children; with neither, before the launch
-    began, the launcher ends as the signal's default would."""
+    """To `ranks`, else (none here) to the job's processes among this launcher's children; with neither,
+    the launcher ends (`launch_begins`)."""
     import psutil
 
     global _ranks_reached
@@ -69,17 +74,25 @@ def _send(number: int, ranks: list) -> None:
         _ranks_reached = True
         return
     children = psutil.Process().children()
-    if _ranks_reached and children:  # a second Ctrl-C after the ranks here stopped on the first
-        threading.Thread(target=_send_unless_ended, args=(number, children), daemon=True).start()
+    if _ranks_reached:
+        if children:  # a second Ctrl-C after the ranks here stopped on the first
+            threading.Thread(target=_send_unless_ended, args=(number, children), daemon=True).start()
         return
-    for process in children:
-        try:
-            process.send_signal(number)
-        except psutil.Error:
-            pass
-    if not children and not _launch_begun and number not in HELD_BY_STARTING_RANKS:
-        signal.signal(number, signal.SIG_DFL)
-        os.kill(os.getpid(), number)
+    if _launch_begun or number in HELD_BY_STARTING_RANKS:
+        for process in children:  # the job's own (mpirun, ssh to other hosts): they end theirs
+            try:
+                process.send_signal(number)
+            except psutil.Error:
+                pass
+        if children or number in HELD_BY_STARTING_RANKS:
+            return
+        if _nothing_started is not None:
+            _nothing_started(number)
+            return
+    # Nothing of the job's runs yet (a launcher's probes, such as `mpirun --version`, are no part of it: told,
+    # one died of it and the launcher said MPI was missing, or the stop was lost): the signal's default.
+    signal.signal(number, signal.SIG_DFL)
+    os.kill(os.getpid(), number)
 
 
 def _send_unless_ended(number: int, children: list) -> None:

@@ -50,7 +50,6 @@ def horovodrun() -> None:
     # stopped or not: its shutdown event is left unset, the ranks stop themselves.
     gloo_run.register_shutdown_event = threading.Event
     workers = _GlooWorkers(gloo_run)
-    forwarding.launch_begins()
     try:
         code = launch.run_commandline()
     except RuntimeError as err:
@@ -138,6 +137,7 @@ class _StoppedIsNoFailure:
 
     def execute(self, command: str, *args: Any, index: int | None = None, events: list | None = None,
                 **kwargs: Any) -> int:
+        forwarding.launch_begins()  # a worker: the job itself starts
         if self.elastic:
             return self.shell.execute(command, *args, index=index, events=events, **kwargs)
         code = self.shell.execute(command, *args, index=index, events=[*(events or []), self.grace_over], **kwargs)
@@ -208,7 +208,7 @@ def torchrun() -> None:
     from torch.distributed.elastic.multiprocessing import api
 
     api._terminate_process_handler = forward_to_ranks
-    forwarding.launch_begins()
+    forwarding.launch_begins(_raise_in_the_agent)
     code = 0
     try:
         run(args)
@@ -216,8 +216,20 @@ def torchrun() -> None:
         code, line = torchrun_outcome(err.failures)
         if line:
             print(f"torchrun: {line}", file=sys.stderr, flush=True)
+    except api.SignalException as err:  # raised by _raise_in_the_agent; the agent ended what it had started
+        code = 128 + err.sigval
+        print(f"torchrun: stopped by {signal.Signals(err.sigval).name} while no worker was running",
+              file=sys.stderr, flush=True)
     leave_without_teardown(code)  # once the failure's traceback, and the agent's frames, are let go
     sys.exit(code)
+
+
+def _raise_in_the_agent(number: int) -> None:
+    """A stop signal while the agent runs no worker (waiting for other nodes, say): torch's own handler's
+    exception, on which the agent ends its rendezvous and whatever it started."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    raise SignalException(f"Process {os.getpid()} got signal: {number}", sigval=signal.Signals(number))
 
 
 def _grace_after_a_failure(args) -> None:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from typing import Callable
 
+from hvdtrain.cli import forwarding
+
 PR_SET_PDEATHSIG = 1  # Linux's prctl option: a signal to this process when its parent dies
 
 
@@ -44,6 +46,7 @@ class MpirunAsChild:
 
         if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # nohup's jobs outlive the terminal
             signal.signal(signal.SIGHUP, pass_hang_up)
+        forwarding.launch_begins()  # the job itself, after Horovod's probes
         mpirun = subprocess.Popen(args, executable=path, env=env, preexec_fn=_alone_and_ends_with(os.getpid()))
         code = mpirun.wait()  # stop signals meanwhile: forward_to_ranks
         sys.exit(code if code >= 0 else 128 - code)

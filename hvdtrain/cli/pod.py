@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from hvdtrain.cli.forwarding import FORWARDED, forward_to_ranks, ranks_below
+from hvdtrain.cli.forwarding import FORWARDED, forward_to_ranks, launch_begins, ranks_below
 
 POLL_SECONDS = 0.2
 COMMAND_GRACE_SECONDS = 5.0
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
 
     for number in FORWARDED:  # before the command starts: as PID 1, a signal without a handler is lost
         signal.signal(number, pass_on)
+    launch_begins()  # the command is the job: a signal no rank took goes to it
     child = subprocess.Popen(command)
     if pending:
         pass_on(pending.pop())
