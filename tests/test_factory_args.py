@@ -177,6 +177,13 @@ def test_a_model_with_a_training_step_is_told_that_its_loss_is_the_task_s(tmp_pa
     assert "warning" not in capsys.readouterr().out
 
 
+def test_class_names_for_targets_train_where_a_collate_of_the_user_s_makes_them_numbers(tmp_path):
+    summary = hvdtrain.fit(data="user_code:NamedLabels", model="user_code:tiny_net", epochs=1, batch_size=16,
+                           overrides={"data.collate": "user_code:names_to_indices", "data.num_classes": 2},
+                           run_dir=str(tmp_path / "run"), progress="off", engine="local", threads=1)
+    assert summary["epochs"] == 1
+
+
 def test_onecycle_s_warning_says_it_has_a_warm_up_of_its_own():
     config = Config.from_dict({}, {"optim.schedule": "onecycle", "optim.warmup_epochs": 100, "train.epochs": 1})
     assert config.warnings() == ["optim.warmup_epochs (100) is longer than train.epochs (1), and the onecycle "

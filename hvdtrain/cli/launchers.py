@@ -203,6 +203,7 @@ def torchrun() -> None:
     _no_restart_that_changes_nothing()
     # torchrun logs each failed worker at ERROR before it raises; the line below says it once.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)  # a signal's, said below
     # torchrun's own handler raises in the agent and then ends the workers; passed on instead, the
     # signal lets them stop together, and the agent reports their exit as for any other.
     from torch.distributed.elastic.multiprocessing import api
@@ -211,7 +212,10 @@ def torchrun() -> None:
     forwarding.launch_begins(_raise_in_the_agent)
     code = 0
     try:
-        run(args)
+        try:
+            run(args)
+        finally:  # the agent has ended: a signal from here on has no agent to end (the process ends below)
+            forwarding.launch_begins(None)
     except ChildFailedError as err:
         code, line = torchrun_outcome(err.failures)
         if line:

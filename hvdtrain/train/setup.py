@@ -101,7 +101,7 @@ def build(config: Config, engine: Engine) -> Run:
 
 def _refuse_raw_samples(split: DataSplit, config: Config) -> None:
     """Samples as a file or a library gives them, before anything makes them what a batch needs."""
-    if split.text_target is not None and config.task.name in BUILT_IN_TASKS:
+    if split.text_target is not None and config.task.name in BUILT_IN_TASKS and config.data.collate is None:
         raise UserError(f"the samples' targets are text ({split.text_target!r} in the first): task "
                         f"{config.task.name} needs numbers: map each class name to its index in your Dataset, and "
                         "give it a `classes` list of the names (hvdtrain sizes the model by it)")

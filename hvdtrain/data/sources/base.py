@@ -32,7 +32,8 @@ class DataSplit:
     target_dtype: torch.dtype | None = None
     """One sample's target dtype; None when there is no target tensor."""
     text_target: str | None = None
-    """The first sample's target where it is text (a class's name), which no built-in task takes."""
+    """The first sample's target where it is text (a class's name), which no built-in task takes (unless a
+    collate of the user's makes it a number)."""
     image_input: bool = False
     """The first sample's input is a PIL image, not made a tensor (no transform): no batch stacks them."""
 
@@ -59,7 +60,7 @@ def described(train: Dataset, val: Dataset, target_key: str, classes: int | None
     """The parts with what their first sample says of every sample (reading no further)."""
     inputs, target = split_batch(train[0], target_key)
     dtype = torch.as_tensor(target).dtype if introspect.shape_of(target) is not None else None
-    text = str(target) if isinstance(target, (str, bytes)) else None
+    text = target.decode(errors="replace") if isinstance(target, bytes) else target if isinstance(target, str) else None
     image = type(inputs).__module__.startswith("PIL.")
     return DataSplit(train, val, introspect.shape_of(inputs), classes, introspect.shape_of(target), held, dtype, text,
                      image)
