@@ -189,10 +189,8 @@ def _data(data: Any) -> str | None:
         return data
     if isinstance(data, Path):
         return str(data)
-    from hvdtrain.data.sources.user import instead_of_data, is_data_set, several_data_sets
+    from hvdtrain.data.sources.user import instead_of_data, several_data_sets
 
-    if isinstance(data, list) and len(data) == 2 and all(map(is_data_set, data)):
-        data = tuple(data)
     pair = data if isinstance(data, tuple) and len(data) == 2 else (data,)
     if any(type(part).__name__ == "Tensor" for part in pair):
         raise UserError("data takes Datasets, not tensors: wrap inputs and targets as "
