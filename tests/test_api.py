@@ -170,7 +170,13 @@ def _blobs():
     (dict(model="user_code:tiny_net", data=(torch.utils.data.DataLoader(_blobs()), _blobs())),
      "data got a pair whose train set is a DataLoader: pass its data set (loader.dataset)"),
     (dict(model=42, data=_blobs()), "model must be an nn.Module, a function that builds one, or a name; got int"),
-    (dict(data=_blobs(), batch_sise=4), "unknown setting 'batch_sise'"),
+    (dict(data=_blobs(), batch_sise=4), "unknown setting 'batch_sise': did you mean batch_size=...?"),
+    # other tools' names, and a config key without a flag, point at ours
+    (dict(data=_blobs(), learning_rate=0.1), "unknown setting 'learning_rate': did you mean lr=...?"),
+    (dict(data=_blobs(), val_fraction=0.1),
+     "unknown setting 'val_fraction': did you mean overrides={'data.val_fraction': ...}? (it has no flag)"),
+    (dict(data=_blobs(), overrides={"batch_size": 4}),
+     "override 'batch_size' must be section.key, did you mean 'data.batch_size'?"),
     (dict(data=_blobs(), epochs=0), "config key 'train.epochs' must be at least 1"),
 ])
 def test_what_fit_refuses_it_refuses_in_one_error(call, message, tmp_path):

@@ -25,6 +25,13 @@ def test_yaml_then_overrides(tmp_path):
     [
         ({"data.btch_size": 3}, "config key 'data.btch_size' does not exist: did you mean 'data.batch_size'?"),
         ({"trian.epochs": 3}, "config key 'trian' does not exist: did you mean 'train'?"),
+        # a key in another section, or under another tool's name, is pointed at its own
+        ({"train.batch_size": 3}, "config key 'train.batch_size' does not exist: did you mean 'data.batch_size'?"),
+        ({"optim.learning_rate": 0.1}, "config key 'optim.learning_rate' does not exist: did you mean 'optim.lr'?"),
+        ({"train.max_epochs": 3}, "config key 'train.max_epochs' does not exist: did you mean 'train.epochs'?"),
+        ({"train.workers": 2}, "config key 'train.workers' does not exist: did you mean 'data.num_workers'?"),
+        ({"train.name": "x"}, "config key 'train.name' does not exist: did you mean 'data.name', 'model.name', "
+                              "'task.name' or 'optim.name'?"),
         ({"data.batch_size": "many"}, "config key 'data.batch_size' must be an integer, got 'many'"),
         ({"data.batch_size": 0}, "config key 'data.batch_size' must be at least 1, got 0"),
         ({"optim.name": "lamb"}, "config key 'optim.name' must be sgd, adamw or package.module:function, got 'lamb'"),
@@ -37,6 +44,11 @@ def test_yaml_then_overrides(tmp_path):
 def test_bad_values_name_the_key(overrides, message):
     with pytest.raises(UserError, match=message.replace("?", r"\?").replace("(", r"\(")):
         Config.from_dict({}, overrides)
+
+
+def test_a_section_key_at_the_top_of_a_file_is_pointed_at_its_section():
+    with pytest.raises(UserError, match=r"^config key 'epochs' does not exist: did you mean 'train.epochs'\?$"):
+        Config.from_dict({"epochs": 3})
 
 
 def test_missing_and_malformed_files(tmp_path):
@@ -90,6 +102,10 @@ def test_set_assignments_parse_as_yaml():
     assert parse_assignment("optim.clip_grad_norm=null") == ("optim.clip_grad_norm", None)
     with pytest.raises(UserError, match="section.key=value"):
         parse_assignment("batch_size")
+    with pytest.raises(UserError, match=r"expects section.key=value: did you mean --set data.batch_size=64\?"):
+        parse_assignment("batch_size=64")
+    with pytest.raises(UserError, match=r"did you mean --set optim.lr=0.1\?"):
+        parse_assignment("learning_rate=0.1")
 
 
 def test_describe_is_loadable_yaml_with_every_key_documented():

@@ -11,31 +11,60 @@ from typing import Any, Literal
 from hvdtrain.errors import UserError
 
 
-def merge_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+# Other tools' names for keys (Lightning, Hugging Face's Trainer, Keras), to point at ours.
+OTHER_TOOLS_NAMES = {
+    "learning_rate": "lr", "max_epochs": "epochs", "num_epochs": "epochs", "num_train_epochs": "epochs",
+    "scheduler": "schedule", "lr_scheduler": "schedule", "lr_scheduler_type": "schedule",
+    "gradient_clip_val": "clip_grad_norm", "max_grad_norm": "clip_grad_norm", "clipnorm": "clip_grad_norm",
+    "accumulate_grad_batches": "accumulate", "gradient_accumulation_steps": "accumulate",
+    "per_device_train_batch_size": "batch_size", "train_batch_size": "batch_size",
+    "output_dir": "dir", "default_root_dir": "dir", "run_dir": "dir",
+}
+
+
+def merge_overrides(raw: dict[str, Any], overrides: dict[str, Any],
+                    homes: dict[str, list[str]] | None = None) -> dict[str, Any]:
     merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     for dotted, value in overrides.items():
         section, _, key = dotted.partition(".")
         if not key:
-            raise UserError(f"override '{dotted}' must be section.key, e.g. data.batch_size")
+            full = (homes or {}).get(OTHER_TOOLS_NAMES.get(dotted, dotted), [])
+            example = f"did you mean '{full[0]}'?" if len(full) == 1 else "e.g. data.batch_size"
+            raise UserError(f"override '{dotted}' must be section.key, {example}")
         target = merged.setdefault(section, {})
         if isinstance(target, dict):
             target[key] = value
     return merged
 
 
-def reject_unknown(values: dict[str, Any], known: Any, prefix: str) -> None:
+def reject_unknown(values: dict[str, Any], known: Any, prefix: str, homes: dict[str, list[str]] | None = None) -> None:
+    """`homes`: each key's full names in every section, to point a key put in the wrong section at its own."""
     for key in values:
         if key not in known:
-            full = f"{prefix}{key}"
-            close = difflib.get_close_matches(str(key), list(known), n=1)
-            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"known keys: {', '.join(prefix + k for k in known)}"
-            raise UserError(f"config key '{full}' does not exist: {hint}")
+            raise UserError(f"config key '{prefix}{key}' does not exist: {unknown_key_hint(str(key), known, prefix, homes or {})}")
 
 
-def build_section(section_type: type, values: dict[str, Any], section: str) -> Any:
+def unknown_key_hint(key: str, known: Any, prefix: str, homes: dict[str, list[str]]) -> str:
+    """Where the key is in another section (or under another tool's name), else the closest key here,
+    else the closest anywhere, else every key here."""
+    elsewhere = homes.get(key) or homes.get(OTHER_TOOLS_NAMES.get(key, ""))
+    if not elsewhere:
+        close = difflib.get_close_matches(key, list(known), n=1)
+        if close:
+            return f"did you mean '{prefix}{close[0]}'?"
+        close = difflib.get_close_matches(key, list(homes), n=1)
+        elsewhere = homes[close[0]] if close else []
+    if elsewhere:
+        names = [f"'{name}'" for name in elsewhere]
+        return f"did you mean {' or '.join(filter(None, [', '.join(names[:-1]), names[-1]]))}?"
+    return f"known keys: {', '.join(prefix + k for k in known)}"
+
+
+def build_section(section_type: type, values: dict[str, Any], section: str,
+                  homes: dict[str, list[str]] | None = None) -> Any:
     hints = typing.get_type_hints(section_type)
     values = _nest_dotted(values, {key for key, hint in hints.items() if typing.get_origin(hint) is dict})
-    reject_unknown(values, hints, f"{section}.")
+    reject_unknown(values, hints, f"{section}.", homes)
     kwargs = {key: _coerce(value, hints[key], f"{section}.{key}") for key, value in values.items()}
     return section_type(**kwargs)
 

@@ -7,13 +7,15 @@ default; the command builds its flags from this table, `hvdtrain.fit` takes the 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hvdtrain.config.coercion import OTHER_TOOLS_NAMES
 from hvdtrain.config.loading import load_config
-from hvdtrain.config.schema import Config, section_types_of_config
+from hvdtrain.config.schema import Config, key_homes, section_types_of_config
 from hvdtrain.errors import UserError
 
 
@@ -115,14 +117,25 @@ FIT_SETTINGS = {setting.name: setting.key for setting in FIT}
 _BY_NAME = {setting.name: setting for setting in FIT}
 
 
+def _setting_hint(name: str) -> str:
+    """The setting meant (other tools' name for it, or a misspelling), or the config key to override."""
+    ours = OTHER_TOOLS_NAMES.get(name, name)
+    close = [ours] if ours in FIT_SETTINGS else difflib.get_close_matches(name, list(FIT_SETTINGS), n=1)
+    if close:
+        return f"did you mean {close[0]}=...?"
+    homes = key_homes().get(ours, [])
+    return f"did you mean overrides={{'{homes[0]}': ...}}? (it has no flag)" if len(homes) == 1 else ""
+
+
 def settings_config(path: str | Path | None, overrides: dict[str, Any], settings: dict[str, Any],
                     engine: str | None = None) -> Config:
     """The config of `fit`: YAML, then `section.key` overrides, then settings (FIT_SETTINGS' names;
     None: not given), then the engine."""
     unknown = sorted(set(settings) - set(FIT_SETTINGS))
     if unknown:
-        raise UserError(f"unknown setting {', '.join(repr(name) for name in unknown)}: use fit's flags as names "
-                        f"(batch_size for --batch-size), or a config key in overrides (section.key)")
+        raise UserError(f"unknown setting {', '.join(repr(name) for name in unknown)}: " + (
+            _setting_hint(unknown[0]) or "use fit's flags as names (batch_size for --batch-size), or a config key in "
+                                         "overrides (section.key)"))
     overrides = dict(overrides)
     for name, value in settings.items():
         setting = _BY_NAME[name]

@@ -214,15 +214,16 @@ class Config:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], overrides: dict[str, Any] | None = None) -> "Config":
         """Builds a validated config from nested mappings plus dotted-key overrides."""
-        merged = merge_overrides(raw, overrides or {})
+        homes = key_homes()
+        merged = merge_overrides(raw, overrides or {}, homes)
         sections = {}
         section_types = section_types_of_config()
-        reject_unknown(merged, section_types, "")
+        reject_unknown(merged, section_types, "", homes)
         for name, section_type in section_types.items():
             values = merged.get(name) or {}
             if not isinstance(values, dict):
                 raise UserError(f"config section '{name}' must be a mapping of keys to values, got {values!r}")
-            sections[name] = build_section(section_type, values, name)
+            sections[name] = build_section(section_type, values, name, homes)
         return cls(**sections)
 
     def to_dict(self) -> dict[str, Any]:
@@ -259,3 +260,12 @@ def signal_numbers(names: str) -> list[int]:
 def section_types_of_config() -> dict[str, type]:
     hints = typing.get_type_hints(Config)
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def key_homes() -> dict[str, list[str]]:
+    """Each key's full names (`batch_size`: `data.batch_size`), to point a key in the wrong section at its own."""
+    homes: dict[str, list[str]] = {}
+    for section, section_type in section_types_of_config().items():
+        for key in typing.get_type_hints(section_type):
+            homes.setdefault(key, []).append(f"{section}.{key}")
+    return homes
