@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -409,16 +410,19 @@ def test_every_flag_of_every_command_passes_through_the_launcher_unchanged(launc
 
 @pytest.mark.multiprocess
 @requires_launchers
-@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "torchrun"])
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "torch.distributed.launch"])
 def test_evaluate_of_a_batch_norm_model_reproduces_fit_s_record(launcher, tmp_path):
     """BatchNorm running statistics are averaged over ranks before validation and checkpoints
-    (train.dist_bn reduce), so `evaluate` of the checkpoint gives fit's validation metrics."""
+    (train.dist_bn reduce), so `evaluate` of the checkpoint gives fit's validation metrics. The torch
+    engine's case is started by torchrun's deprecated predecessor, as old scripts do: it puts
+    `--local-rank=N` before the command."""
     from conftest import LAUNCHERS
 
+    prefix = LAUNCHERS.get(launcher) or [sys.executable, "-m", launcher, "--nproc-per-node", "2", "-m"]
     run_dir = tmp_path / "run"
     args = ["--data", "random", "--set", "data.samples=1200", "--set", "data.features=12",
             "--model", "user_code:batch_norm_net", "--epochs", "2", "--threads", "1", "--progress", "off"]
-    assert_ok(run([*LAUNCHERS[launcher], "hvdtrain", "fit", *args, "--run-dir", str(run_dir)], cwd=tmp_path))
+    assert_ok(run([*prefix, "hvdtrain", "fit", *args, "--run-dir", str(run_dir)], cwd=tmp_path))
     out = tmp_path / "eval.json"
     assert_ok(run(["hvdtrain", "evaluate", str(run_dir), "--checkpoint", "last", "--output", str(out)], cwd=tmp_path))
     result, record = json.loads(out.read_text()), epoch_records(run_dir)[-1]

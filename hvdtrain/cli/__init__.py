@@ -13,6 +13,7 @@ shell: it may import anything of hvdtrain, lazily inside a command where the imp
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import NoReturn, Sequence
 
@@ -20,6 +21,10 @@ from typing import NoReturn, Sequence
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: one clear line from rank 0 for bad input, tracebacks only with --debug. Without
     `argv`, the process's own command line: the process ends with the command."""
+    if argv is None:
+        sys.argv[1:] = _without_launch_s_local_rank(sys.argv[1:])
+    else:
+        argv = _without_launch_s_local_rank(list(argv))
     if argv is None:
         from hvdtrain.train import early_signals
 
@@ -58,6 +63,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv is None:
         _leave_without_teardown(code)
         sys.exit(code)
+
+
+def _without_launch_s_local_rank(args: list[str]) -> list[str]:
+    """torch.distributed.launch (without --use-env, its default) puts `--local-rank=N` before the
+    command, `hvdtrain --local-rank=0 fit`; LOCAL_RANK, which it sets as well, says the same."""
+    if args and re.fullmatch(r"--local[-_]rank=\d+", args[0]):
+        return args[1:]
+    return args
 
 
 def _help_and_exit(text: str) -> NoReturn:
