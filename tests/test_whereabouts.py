@@ -112,7 +112,7 @@ def test_a_rank_that_never_reaches_evaluation_s_collective_is_named(tmp_path):
     output, code, seconds = _stalled_job("horovodrun-gloo", run_dir, "--data", "user_code:stuck_before_evaluation_on_rank_1",
                                          "--batch-size", "16")
     assert seconds < STALL_TIMEOUT + 10, f"stopped {seconds:.0f} s after the stall\n{output[-3000:]}"
-    _assert_stall_report(output, run_dir, "in evaluation at epoch 1, evaluation",
+    _assert_stall_report(output, run_dir, "in evaluation at epoch 1",
                          _user_line("time.sleep(1)  # rank 1 stuck reading its data"))
 
 
@@ -127,7 +127,9 @@ def _where_while_it_runs(job: subprocess.Popen, held: list[Path], run_dir: Path)
         assert time.monotonic() < deadline, "the ranks never reached their hold"
         time.sleep(0.1)
     assert (run_dir / "where.json").exists()
-    return run(["hvdtrain", "where", str(run_dir)], timeout=60, cwd=run_dir.parent)
+    elsewhere = run_dir.parent / "elsewhere"  # not the job's working directory
+    elsewhere.mkdir()
+    return run(["hvdtrain", "where", str(run_dir)], timeout=60, cwd=elsewhere)
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun-mpi", "torchrun"])
@@ -139,8 +141,8 @@ def test_where_shows_every_rank_s_stack_of_a_live_run_which_then_ends_as_if_neve
     asked_dir, release = tmp_path / "asked", tmp_path / "release"
     prefix = [*LAUNCHERS[launcher], *(["-x", "HVDTRAIN_TEST_RELEASE_FILE"] if launcher == "mpirun" else [])]
     job = subprocess.Popen([*prefix, "hvdtrain", "fit", *args, "--model", "user_code:held_until_released",
-                            "--run-dir", str(asked_dir)], env={**launch_env(), "HVDTRAIN_TEST_RELEASE_FILE": str(release)},
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            "--run-dir", asked_dir.name], env={**launch_env(), "HVDTRAIN_TEST_RELEASE_FILE": str(release)},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     try:
         where = _where_while_it_runs(job, [tmp_path / f"release.held-{rank}" for rank in (0, 1)], asked_dir)
         release.touch()
@@ -152,12 +154,13 @@ def test_where_shows_every_rank_s_stack_of_a_live_run_which_then_ends_as_if_neve
     assert job.returncode == 0, output[-3000:]
     text = where.stdout
     assert text.startswith("hvdtrain where: 2 ranks; every rank's whole stack in"), text
+    kept = sorted((asked_dir / "where").iterdir())
+    assert text.splitlines()[0].endswith(f" in {kept[0]}"), text  # the job's relative --run-dir, made absolute
     line = _user_line("time.sleep(0.1)  # held until the test has asked")
     for rank in (0, 1):
         assert re.search(rf"^  rank {rank} \(host .*, pid \d+\): in forward at epoch 1, training after step 2", text,
                          re.M), text
     assert text.count(f"your code: {USER_CODE}:{line} in forward") == 2, text
-    kept = sorted((asked_dir / "where").iterdir())
     assert len(kept) == 1 and sorted(p.name for p in kept[0].iterdir()) == ["rank-0.txt", "rank-1.txt"]
     assert all(f'"{USER_CODE}", line {line}' in (kept[0] / name).read_text() for name in ("rank-0.txt", "rank-1.txt"))
     assert not (asked_dir / "where.json").exists()  # removed at the end: no job runs there now

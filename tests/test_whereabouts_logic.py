@@ -11,7 +11,7 @@ import pytest
 
 from hvdtrain.engine.activity import Activity
 from hvdtrain.engine.report_channel import RankLink, ReportServer, request
-from hvdtrain.engine.stacks import main_frames, rank_report, user_frames
+from hvdtrain.engine.stacks import main_frames, rank_report, state, user_frames
 from hvdtrain.engine.whereabouts import stall_lines
 from hvdtrain.train.stragglers import RankTimes, stragglers
 
@@ -21,6 +21,15 @@ def server():
     served = ReportServer(lambda asked: {"text": f"asked {asked['ask']}"})
     yield served
     served.close()
+
+
+def test_a_rank_s_phase_is_said_once():
+    """`where` reads `epoch 2, evaluation` in evaluation, and `set-up` in set-up, for the collectives' reports."""
+    assert Activity(where="epoch 2, evaluation", phase="evaluation").describe() == "in evaluation at epoch 2"
+    assert Activity().describe() == "in set-up"
+    assert Activity(where="epoch 1, step 3", phase="forward").describe() == "in forward at epoch 1, step 3"
+    report = rank_report(0, "cpu", Activity(where="epoch 2, evaluation", phase="evaluation"))
+    assert state(report).startswith("in evaluation at epoch 2, for ")
 
 
 def test_a_malformed_or_unauthorised_caller_leaves_the_server_answering(server):

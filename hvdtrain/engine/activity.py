@@ -93,8 +93,15 @@ class Activity:
 
     def describe(self) -> str:
         if self.collective is None:
-            return f"in {self.phase} at {self.where}"
+            return in_phase(self.phase, self.where)
         return f"in {self.collective} at {self.where} for {time.time() - self.since:.0f} s"
+
+
+def in_phase(phase: str, where: str) -> str:
+    """`in evaluation at epoch 2`: where a rank is outside collectives, its phase said once (`where`
+    reads `epoch 2, evaluation`, and `set-up` at first, for the collectives' reports)."""
+    where = where.removesuffix(f", {phase}")
+    return f"in {phase}" if where == phase else f"in {phase} at {where}"
 
 
 _PUBLISHED = ("where", "collective", "since", "phase", "phase_since")

@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any
 
-from hvdtrain.engine.activity import Activity
+from hvdtrain.engine.activity import Activity, in_phase
 from hvdtrain.errors import library_file
 
 Frame = list[Any]
@@ -43,7 +43,7 @@ def state(report: dict[str, Any]) -> str:
     """What the rank does, in hvdtrain's terms."""
     if report["collective"]:
         return f"waiting {report['collective_for']:.0f} s in {report['collective']} at {report['where']}"
-    return f"in {report['phase']} at {report['where']}, for {report['phase_for']:.0f} s"
+    return f"{in_phase(report['phase'], report['where'])}, for {report['phase_for']:.0f} s"
 
 
 def main_frames(report: dict[str, Any]) -> list[Frame]:

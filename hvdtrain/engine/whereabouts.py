@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hvdtrain.engine.activity import Activity, allowed_wait, wait_rule
+from hvdtrain.engine.activity import Activity, allowed_wait, in_phase, wait_rule
 from hvdtrain.engine.report_channel import (ANSWER_SECONDS, RankLink, ReportServer, end_process, own_addresses,
                                             request)
 from hvdtrain.engine.stacks import frame_line, main_frames, rank_report, report_text, state, user_frames
@@ -123,8 +123,8 @@ class Whereabouts:
     def where_now(self) -> str:
         """Rank 0: every rank's report now, kept in the run directory; the summary's text."""
         reports = self.server.ask_all(self.size, self.own)  # type: ignore[union-attr]
-        folder = self._keep(reports, "")
-        lines = [f"{self.size} ranks" + (f"; every rank's whole stack in {folder}" if folder else "")]
+        folder = self._keep(reports, "")  # absolute: `hvdtrain where` is run from another directory than the job
+        lines = [f"{self.size} ranks" + (f"; every rank's whole stack in {folder.absolute()}" if folder else "")]
         for rank, report in enumerate(reports):
             lines += _rank_lines(rank, report, stack=True)
         return "\n".join(lines)
@@ -240,7 +240,7 @@ def _short(report: dict[str, Any] | None) -> str:
         return "no answer"
     if report["collective"]:
         return f"in {report['collective']} at {report['where']} for {report['collective_for']:.0f} s"
-    return f"in {report['phase']} at {report['where']}"
+    return in_phase(report["phase"], report["where"])
 
 
 def _user_at(report: dict[str, Any] | None) -> str:
