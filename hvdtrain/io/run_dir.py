@@ -33,6 +33,7 @@ from hvdtrain.engine.environment import torchrun_restarts
 from hvdtrain.errors import UserError
 
 TIMELINE = "horovod-timeline.json"
+CONFIG_FILE = "config.yaml"  # the run's settings, as --config reads them
 METRICS = "metrics.jsonl"
 WHERE_FILE = "where.json"
 """In a running job's run directory: how `hvdtrain where` reaches rank 0 (removed when the job ends)."""
@@ -148,7 +149,7 @@ def _empty(path: Path) -> None:
                         f"({err.filename}); remove it yourself, or choose another --run-dir") from None
 
 
-RUN_FILES = ("config.yaml", METRICS, "summary.json", TIMELINE, CHECKPOINTS, "events.out.tfevents.*", WHERE_FILE,
+RUN_FILES = (CONFIG_FILE, METRICS, "summary.json", TIMELINE, CHECKPOINTS, "events.out.tfevents.*", WHERE_FILE,
              f".{WHERE_FILE}.*", WHERE_FOLDER, RUN_ID_FILE, ".*.tmp", run_lock.LOCK_FILE)
 """What `fit` may leave in a run directory before its first checkpoint (killed at any moment)."""
 
@@ -201,7 +202,7 @@ class RunFiles:
 
     def write_config(self, config: dict[str, Any]) -> None:
         text = write_yaml(config, sort_keys=False)
-        atomic_write(self.path / "config.yaml", lambda handle: handle.write(text.encode()))
+        atomic_write(self.path / CONFIG_FILE, lambda handle: handle.write(text.encode()))
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         try:

@@ -23,6 +23,7 @@ from hvdtrain.errors import UserError, message_lines
 from hvdtrain.io.atomic import WriteFailed, why_not_written
 from hvdtrain.io.checkpoint import CheckpointState, CheckpointStore, Start, split_adamw_groups
 from hvdtrain.io.progress import say
+from hvdtrain.io.run_dir import CONFIG_FILE
 from hvdtrain.train.loggers import StepLog
 from hvdtrain.train.loop import EpochSums
 from hvdtrain.train.random_state import rng_state
@@ -215,8 +216,10 @@ def restore(run: Run, config: Config, run_dir: Path,
     try:
         load_weights(unwrapped(run.model), state["model"])
     except RuntimeError as err:
+        saved = run_dir / CONFIG_FILE  # the settings of the run that wrote it, as a file --config reads
+        again = f": give them again, or --config {saved}" if saved.is_file() else ""
         raise UserError(f"checkpoint '{path}' does not fit this model: {message_lines(err, 3)}; resume with the "
-                        f"settings it was written with{_settings_changed(state.get('config', {}), config)}") from err
+                        f"settings it was written with{_settings_changed(state.get('config', {}), config)}{again}") from err
     written = state.get("config", {}).get("optim", {}).get("name")
     another = UserError(f"checkpoint '{path}' holds the state of optimizer '{written}', which does not fit this "
                         f"run's '{config.optim.name}': resume with --optimizer {written}, or start a new run in "
