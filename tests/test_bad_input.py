@@ -102,6 +102,11 @@ CASES = {
                              "stack into a batch: give your Dataset a transform that makes each a tensor"),
     "a model built in half precision": (["--model", "user_code:half_net"], "a model built in float16 or bfloat16 "
                                         "(.half()) meets float32 inputs: build it in float32 and train with --precision"),
+    "a model built in float64": (["--model", "user_code:double_net"], "a model built in float64 (.double()) meets "
+                                 "float32 inputs: build it in float32, or return float64 from your Dataset"),
+    "a model on the meta device": (["--model", "user_code:meta_net"], "the model's parameters are on the meta device "
+                                   "(built under torch.device('meta')), which holds no values: build it with real "
+                                   "tensors, or give them values in your factory"),
     "iterable data set": (["--data", "user_code:stream"], "returned an IterableDataset without a length: hvdtrain needs len()"),
     "negative stall timeout": (["--set", "train.stall_timeout=-5"], "config key 'train.stall_timeout' must be 0 (off) or more"),
     "unknown task": (["--task", "ranking"], "unknown task 'ranking': use one of classification, regression"),

@@ -368,6 +368,17 @@ def half_net(input_shape, num_classes):
     return tiny_net(input_shape, num_classes).half()
 
 
+def double_net(input_shape, num_classes):
+    """Built in float64, as `.double()` makes it, for float32 data."""
+    return tiny_net(input_shape, num_classes).double()
+
+
+def meta_net(input_shape, num_classes):
+    """Built on the meta device (shapes without values), as for a large model's deferred initialisation."""
+    with torch.device("meta"):
+        return tiny_net(input_shape, num_classes)
+
+
 def needs_num_classes(input_shape, num_classes):
     return tiny_net(input_shape, num_classes)
 

@@ -94,18 +94,22 @@ def guarded(task: Task, what: str, call: Callable[[], Any], batch: Any, stage: s
         elif "double" in str(err).lower() and any(tensor.dtype == torch.float64 for tensor in tensors_in(batch)):
             hint = ("; the batch holds float64 (NumPy's default) where the model's weights are float32: return "
                     "float32 from your Dataset (x.astype(np.float32), or torch.as_tensor(x, dtype=torch.float32))")
-        elif re.search(r"\b(Half|BFloat16)\b", str(err)) and _half_weights(model) and any(
+        elif re.search(r"\b(Half|BFloat16)\b", str(err)) and _weights_of(model, torch.float16, torch.bfloat16) and any(
                 tensor.dtype == torch.float32 for tensor in tensors_in(batch)):
             hint = ("; a model built in float16 or bfloat16 (.half()) meets float32 inputs: build it in float32 and "
                     "train with --precision fp16 or bf16 (autocast computes in half precision and keeps the weights "
                     "float32, which the optimizer's small updates need)")
+        elif "Double" in str(err) and _weights_of(model, torch.float64) and any(
+                tensor.dtype == torch.float32 for tensor in tensors_in(batch)):
+            hint = ("; a model built in float64 (.double()) meets float32 inputs: build it in float32, or return "
+                    "float64 from your Dataset")
         return f"; the batch was {describe(batch)}{hint}"
 
     return users_code(f"the first {stage} batch failed in {what} (task {task.name})", call, described)
 
 
-def _half_weights(model: nn.Module | None) -> bool:
-    return model is not None and any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+def _weights_of(model: nn.Module | None, *dtypes: torch.dtype) -> bool:
+    return model is not None and any(p.dtype in dtypes for p in model.parameters())
 
 
 def _check_loss(task: Task, loss: Any, whose: str) -> None:

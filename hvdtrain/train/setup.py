@@ -5,6 +5,7 @@ of the task on one batch and of the data across ranks.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +120,10 @@ def _module_to_train(model: nn.Module, config: Config, rank: int) -> nn.Module:
             warn(f"the model comes wrapped in {type(model).__name__}: hvdtrain trains the module inside it (one "
                  "process per device, its gradients averaged by the engine); return the module itself")
         model = model.module
+    if any(tensor.is_meta for tensor in itertools.chain(model.parameters(), model.buffers())):
+        raise UserError("the model's parameters are on the meta device (built under torch.device('meta')), which "
+                        "holds no values: build it with real tensors, or give them values in your factory "
+                        "(model.to_empty(device='cpu'), then its initialisation or load_state_dict)")
     if rank == 0 and callable(getattr(model, "training_step", None)) and config.task.name in BUILT_IN_TASKS:
         warn(f"the model has a training_step (a LightningModule's), which hvdtrain never calls, nor "
              f"configure_optimizers: it trains forward's output with task {config.task.name}'s loss; give your loss "
