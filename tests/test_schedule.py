@@ -105,14 +105,23 @@ def test_adamw_decays_weights_but_not_biases(tmp_path):
     assert sorted(len(g["params"]) for g in groups) == sorted([sum(d >= 2 for d in shapes), sum(d < 2 for d in shapes)])
 
 
-def test_an_optimizer_factory_returning_something_else_is_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("factory, message", [
+    ("not_an_optimizer", "returned list: return a torch.optim.Optimizer over the model's parameters"),
+    # Lightning's configure_optimizers returns these; its optimizer and scheduler would be taken as nothing
+    ("optimizer_and_scheduler", "returned a tuple holding the optimizer: return the optimizer alone; hvdtrain sets "
+                                "the learning rate itself (--lr, --warmup-epochs, --schedule)"),
+    ("optimizer_and_scheduler_dict", "returned a dict holding the optimizer: return the optimizer alone"),
+    # the model would not train at all (the torch engine and one process went on, val_acc at chance)
+    ("optimizer_of_another_model", "made an optimizer over 2 tensor(s) that are not the model's parameters (the first "
+                                   "of shape (3, 5)): build it over the `params` (or `model`) it is given"),
+])
+def test_an_optimizer_factory_returning_something_else_is_one_line(factory, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as leaving:
         main(["fit", "--data", "user_code:blobs", "--model", "user_code:tiny_net", "--optimizer",
-              "user_code:not_an_optimizer", "--progress", "off", "--engine", "local", "--run-dir", str(tmp_path / "r")])
+              f"user_code:{factory}", "--progress", "off", "--engine", "local", "--run-dir", str(tmp_path / "r")])
     assert leaving.value.code == 2 and not (tmp_path / "r").exists()
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "hvdtrain: error: optimizer factory 'user_code:not_an_optimizer' returned list: return a torch.optim.Optimizer "
-        "over the model's parameters")
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"hvdtrain: error: optimizer factory 'user_code:{factory}' {message}"), last
 
 
 def test_an_adamw_checkpoint_of_one_parameter_group_resumes(tmp_path):

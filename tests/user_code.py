@@ -957,6 +957,20 @@ def not_an_optimizer(model):
     return [model]
 
 
+def optimizer_and_scheduler(model, lr):
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1)
+
+
+def optimizer_and_scheduler_dict(model, lr):
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1)}}
+
+
+def optimizer_of_another_model(model, lr):
+    return torch.optim.SGD(torch.nn.Linear(5, 3).parameters(), lr=lr)
+
+
 def api_training(run_dir):
     """tests/workers/api_script.py's training as a function, for hvdtrain.launch."""
     import os

@@ -211,9 +211,18 @@ def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
             raise
         raise UserError(f"optimizer factory '{cfg.name}' uses {library}, which this engine has not started "
                         f"({type(err.__cause__).__name__}: {err.__cause__}): {plain}") from err.__cause__
+    if _holds_an_optimizer(made):  # (optimizer, scheduler), as Lightning's configure_optimizers returns
+        raise UserError(f"optimizer factory '{cfg.name}' returned a {type(made).__name__} holding the optimizer: return "
+                        "the optimizer alone; hvdtrain sets the learning rate itself (--lr, --warmup-epochs, --schedule)")
     if not isinstance(made, torch.optim.Optimizer):
         raise UserError(f"optimizer factory '{cfg.name}' returned {type(made).__name__}: return a "
                         "torch.optim.Optimizer over the model's parameters")
+    own = {id(param) for param in model.parameters()}
+    foreign = [param for group in made.param_groups for param in group["params"] if id(param) not in own]
+    if foreign:  # they would train in the model's stead, or nothing at all
+        raise UserError(f"optimizer factory '{cfg.name}' made an optimizer over {len(foreign)} tensor(s) that are not "
+                        f"the model's parameters (the first of shape {tuple(foreign[0].shape)}): build it over the "
+                        "`params` (or `model`) it is given")
     if wrapper := _distributed_wrapper(made):
         raise UserError(f"optimizer factory '{cfg.name}' returned {wrapper}: {plain}")
     if isinstance(made, torch.optim.SparseAdam):  # it refuses dense gradients at its first step, on every rank
@@ -222,6 +231,11 @@ def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
     for group in made.param_groups:  # each group follows the schedule at its own ratio to optim.lr
         group.setdefault("lr_ratio", group["lr"] / cfg.lr)
     return made
+
+
+def _holds_an_optimizer(made: Any) -> bool:
+    items = made.values() if isinstance(made, dict) else made if isinstance(made, (list, tuple)) else ()
+    return any(isinstance(item, torch.optim.Optimizer) or _holds_an_optimizer(item) for item in items)
 
 
 def _distributed_wrapper(optimizer: torch.optim.Optimizer) -> str:
