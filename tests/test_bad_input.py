@@ -124,6 +124,10 @@ CASES = {
     "task without a loss": (["--data", "user_code:blobs", "--model", "user_code:tiny_net", "--task",
                              "user_code:OnlyMetrics"], "has no loss method and the model returned no loss"),
     "loss not finite at the start": (["--task", "user_code:log_of_zero_loss"], "is -inf on the first training batch"),
+    # it failed at the first step, in a line from every rank
+    "a loss taken off the graph": (["--task", "user_code:detached_loss"], "task 'user_code:detached_loss' loss does "
+                                   "not follow the model's output back (it has no gradient: detached, or made anew "
+                                   "from .item() or numbers): compute it from the output it is given"),
     "metrics not sums and counts": (["--task", "user_code:MeanMetrics"], "not a (sum, count) pair"),
     "class count unknown": (["--data", "user_code:int_labels", "--model", "user_code:needs_num_classes"],
                             "takes num_classes, but the data set does not say how many classes it has: set "

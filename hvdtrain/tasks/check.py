@@ -53,6 +53,8 @@ def check_first_batch(task: Task, model: nn.Module, batch: Any, held_targets: to
                 task.check(output, target, held_targets)
             loss = own if own is not None else guarded(task, "its loss", lambda: task.loss(output, target), batch, stage)
             _check_loss(task, loss, "the model's" if own is not None else f"task '{task.name}' loss")
+            if own is None:
+                _check_loss_follows_the_output(task, output, target)
             metrics = guarded(task, "its metrics", lambda: batch_metrics(task, output, target, batch_size(batch)), batch, stage)
             template = _check_metrics(task, metrics)
             sums = MetricSums(torch.device("cpu"), template)
@@ -106,6 +108,28 @@ def guarded(task: Task, what: str, call: Callable[[], Any], batch: Any, stage: s
         return f"; the batch was {describe(batch)}{hint}"
 
     return users_code(f"the first {stage} batch failed in {what} (task {task.name})", call, described)
+
+
+def _check_loss_follows_the_output(task: Task, output: Any, target: Any) -> None:
+    """A loss that backward cannot follow to the output (detached, or made anew from `.item()`) trains
+    nothing, and fails at the first step on every rank. The forward above tracks no gradients: the loss
+    is computed again from the output made into leaves that do."""
+    def leaf(value: Any) -> Any:
+        return value.detach().requires_grad_() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    if type(output) in (tuple, list):
+        leaves = type(output)(map(leaf, output))
+    elif type(output) is dict:
+        leaves = {key: leaf(value) for key, value in output.items()}
+    else:
+        leaves = leaf(output)
+    if not any(tensor.requires_grad for tensor in tensors_in(leaves)):  # nothing a gradient could reach
+        return
+    with torch.enable_grad():
+        loss = task.loss(leaves, target)
+    if isinstance(loss, torch.Tensor) and not loss.requires_grad:
+        raise UserError(f"task '{task.name}' loss does not follow the model's output back (it has no gradient: "
+                        "detached, or made anew from .item() or numbers): compute it from the output it is given")
 
 
 def _weights_of(model: nn.Module | None, *dtypes: torch.dtype) -> bool:
