@@ -93,6 +93,11 @@ def fit_config(model: Any, data: Any, task: Any, callbacks: Sequence[Any], confi
         if name in settings:
             raise UserError(f"{name} is fit's own argument here, not a setting"
                             + (": callbacks=[...]" if name == "callback" else ""))
+    if split_data := sorted(set(settings) & _SPLIT_DATA_NAMES):  # Trainer(train_dataset=..., eval_dataset=...)
+        raise UserError(f"fit takes its data as one argument, not {', '.join(split_data)}: "
+                        "hvdtrain.fit(model, data=(train_set, val_set))")
+    if settings.get("optimizer") is not None and not isinstance(settings["optimizer"], str):
+        settings = {**settings, "optimizer": _optimizer(settings["optimizer"])}
     named = {"model": _model(model), "data": _data(data), "task": _task(task),
              "callback": [_keep(f"callback_{number}", callback) for number, callback in enumerate(callbacks)]}
     return settings_config(config, dict(overrides or {}), {**settings, **named}, engine)
@@ -208,7 +213,30 @@ def _data(data: Any) -> str | None:
 def _task(task: Any) -> str | None:
     if task is None or isinstance(task, str):
         return task
+    if _is_map_style(task) and not isinstance(task, type):  # fit(model, train_set, val_set)
+        raise UserError(f"task got a data set ({type(task).__name__}): give the training and validation sets as one "
+                        "pair, hvdtrain.fit(model, (train_set, val_set))")
     return _keep("task", task)  # hvdtrain.tasks.user takes it in whichever form it comes
+
+
+def _optimizer(optimizer: Any) -> str:
+    """A torch.optim class or a factory function, kept as --optimizer's factory; not one already built."""
+    import torch
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(f"optimizer got an optimizer already built ({type(optimizer).__name__}): give its class "
+                        f"(optimizer=torch.optim.{type(optimizer).__name__}, options in overrides={{'optim.args': "
+                        "{...}}) or a function of (params, lr) that builds it; hvdtrain builds it with the learning "
+                        "rate it scales")
+    if not callable(optimizer):
+        raise UserError(f"optimizer must be 'sgd', 'adamw', a 'package.module:function', a torch.optim class or a "
+                        f"function that builds one; got {type(optimizer).__name__}")
+    return _keep("optimizer", optimizer)
+
+
+_SPLIT_DATA_NAMES = {"train_data", "val_data", "train_dataset", "val_dataset", "eval_dataset", "valid_dataset",
+                     "validation_data", "train_set", "val_set", "train_loader", "val_loader", "train_dataloaders",
+                     "val_dataloaders"}
 
 
 def _is_map_style(part: Any) -> bool:

@@ -171,6 +171,15 @@ def _blobs():
      "data got a pair whose train set is a DataLoader: pass its data set (loader.dataset)"),
     (dict(model=42, data=_blobs()), "model must be an nn.Module, a function that builds one, or a name; got int"),
     (dict(data=_blobs(), batch_sise=4), "unknown setting 'batch_sise': did you mean batch_size=...?"),
+    # habits of other trainers: a third positional data set, Trainer's split arguments, a built optimizer
+    (dict(model="user_code:tiny_net", data=_blobs(), task=_blobs()), "task got a data set (TensorDataset): give the "
+     "training and validation sets as one pair, hvdtrain.fit(model, (train_set, val_set))"),
+    (dict(model="user_code:tiny_net", train_dataset=_blobs(), eval_dataset=_blobs()), "fit takes its data as one "
+     "argument, not eval_dataset, train_dataset: hvdtrain.fit(model, data=(train_set, val_set))"),
+    (dict(model="user_code:tiny_net", data=_blobs(), optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)],
+                                                                               lr=0.1)),
+     "optimizer got an optimizer already built (SGD): give its class (optimizer=torch.optim.SGD, options in "
+     "overrides={'optim.args': {...}}) or a function of (params, lr) that builds it"),
     # other tools' names, and a config key without a flag, point at ours
     (dict(data=_blobs(), learning_rate=0.1), "unknown setting 'learning_rate': did you mean lr=...?"),
     (dict(data=_blobs(), val_fraction=0.1),
@@ -183,6 +192,19 @@ def test_what_fit_refuses_it_refuses_in_one_error(call, message, tmp_path):
     with pytest.raises(UserError, match=re.escape(message)):
         hvdtrain.fit(**call, run_dir=str(tmp_path / "run"), progress="off", engine="local")
     assert not (tmp_path / "run").exists()
+
+
+def test_an_optimizer_class_or_function_is_the_optimizer_factory(tmp_path):
+    """`optimizer=torch.optim.Adam` as `--optimizer torch.optim:Adam` (its options in optim.args), and a function."""
+    hvdtrain.fit(model="user_code:tiny_net", data=_blobs(), optimizer=torch.optim.Adam, epochs=1, batch_size=16,
+                 overrides={"optim.args": {"betas": [0.8, 0.9]}}, run_dir=str(tmp_path / "class"), progress="off",
+                 engine="local")
+    saved = torch.load(tmp_path / "class" / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.9) and "exp_avg" in saved["optimizer"]["state"][0]
+    hvdtrain.fit(model="user_code:tiny_net", data=_blobs(), optimizer=lambda params, lr: torch.optim.SGD(params, lr, 0.5),
+                 epochs=1, batch_size=16, run_dir=str(tmp_path / "function"), progress="off", engine="local")
+    saved = torch.load(tmp_path / "function" / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["optimizer"]["param_groups"][0]["momentum"] == 0.5
 
 
 def test_a_list_of_two_data_sets_is_the_train_val_pair_and_a_data_set_that_is_a_list_is_one(tmp_path):
