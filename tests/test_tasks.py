@@ -266,6 +266,9 @@ def test_the_first_batch_names_what_does_not_fit():
         _check(TaskConfig(), nn.Conv1d(4, 3, 1), (torch.randn(2, 4, 5), per_position))
     with pytest.raises(UserError, match=r"classification needs integer class labels .* --task regression"):
         _check(TaskConfig(), three, (x, torch.randn(8)))
+    with pytest.raises(UserError, match=r"the labels are true/false \(torch.bool\), one per sample: give them as "
+                                        r"integer class labels, 0 and 1"):
+        _check(TaskConfig(), nn.Linear(4, 2), (x, torch.rand(8) > 0.5))
     with pytest.raises(UserError, match=r"1 output per sample, one class: nothing to tell apart. .*--task regression"):
         _check(TaskConfig(), nn.Linear(4, 1), (x, torch.randn(8, 1)))
     with pytest.raises(UserError, match=r"sample \d of the first batch has probabilities summing to .*, not 1"):
