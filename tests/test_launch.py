@@ -1,7 +1,10 @@
 """Cluster files: the Dockerfiles and launch scripts lint clean, and the scripts really launch."""
 
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,6 +154,51 @@ def test_horovodrun_s_outcome_names_the_worker_that_failed_not_the_first_to_exit
                                                            "other workers were stopped")
     assert outcome({0: (143, 1.0), 1: (2, 2.0)})[1].startswith("worker 1 exited with status 2")  # SIGTERM: the launcher's
     assert outcome({0: (75, 1.0), 1: (143, 2.0)}) == (75, None)
+
+
+def test_a_stop_the_launcher_passed_on_is_said_as_such_unless_a_worker_failed_of_itself(monkeypatch):
+    """Workers of a program that does not stop with a checkpoint (predict, a script) end by the signal:
+    that is the user's or the scheduler's stop, not worker 0's failure."""
+    import signal
+
+    from hvdtrain.cli import forwarding
+    from hvdtrain.cli.launchers import outcome
+
+    monkeypatch.setattr(forwarding, "_passed_on", [signal.SIGINT])
+    stopped = (130, "stopped by SIGINT, which it passed on to the workers")
+    assert outcome({0: (130, 1.0), 1: (-15, 2.0)}) == stopped  # the launcher's SIGTERM to the rest
+    assert outcome({0: (-2, 1.0), 1: (-2, 1.0)}) == stopped
+    assert outcome({0: (1, 1.0), 1: (130, 2.0)}) == (1, "worker 0 exited with status 1; the other workers were stopped")
+    assert outcome({0: (75, 1.0), 1: (130, 2.0)}) == (75, None)
+    monkeypatch.setattr(forwarding, "_passed_on", [])
+    assert outcome({0: (130, 1.0), 1: (143, 2.0)})[1].startswith("worker 0 was killed by SIGINT (exit status 130)")
+
+
+@requires_launchers
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "torchrun"])
+def test_a_script_stopped_through_the_launcher_is_a_stop_not_a_failure(launcher, tmp_path):
+    from conftest import LAUNCHERS
+
+    script = tmp_path / "wait.py"
+    script.write_text("import os, pathlib, sys, time\n"
+                      "rank = os.environ.get('HOROVOD_RANK', os.environ.get('RANK'))\n"
+                      "pathlib.Path(sys.argv[1], f'started-{rank}').touch()\n"
+                      "time.sleep(120)\n")
+    prefix = LAUNCHERS[launcher] if launcher == "torchrun" else [*LAUNCHERS[launcher], sys.executable]
+    job = subprocess.Popen([*prefix, str(script), str(tmp_path)], env=launch_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("started-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job.send_signal(signal.SIGTERM)
+        output, _ = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    name = launcher.split("-")[0]
+    assert job.returncode == 143, output[-3000:]
+    assert f"{name}: stopped by SIGTERM, which it passed on to the workers" in output, output[-3000:]
+    assert "worker 0" not in output and "worker rank 0" not in output, output[-3000:]
 
 
 HOROVOD_MPIRUN = "mpirun --allow-run-as-root --tag-output -np 2 -H localhost:2 -bind-to none -map-by slot " \

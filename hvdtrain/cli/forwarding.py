@@ -26,6 +26,7 @@ _nothing_started: Callable[[int], None] | None = None  # the launcher's own end 
 _ranks_reached = False  # a signal reached ranks here (they stop, then leave)
 # How long a launcher whose ranks here are gone may take to end by itself before a signal reaches it.
 LAUNCHER_ENDS_SECONDS = 10.0
+_passed_on: list[int] = []  # the signals passed on to the job, in order
 
 
 def launch_begins(nothing_started: Callable[[int], None] | None = None) -> None:
@@ -36,6 +37,11 @@ def launch_begins(nothing_started: Callable[[int], None] | None = None) -> None:
     swallowed, it left the launcher waiting, or training once its ranks came."""
     global _launch_begun, _nothing_started
     _launch_begun, _nothing_started = True, nothing_started
+
+
+def first_passed_on() -> int | None:
+    """The first signal this launcher passed on to the job (a user's Ctrl-C, a scheduler's SIGTERM), if any."""
+    return _passed_on[0] if _passed_on else None
 
 
 def forward_to_ranks(number: int, frame: object = None) -> None:
@@ -72,6 +78,7 @@ def _send(number: int, ranks: list) -> None:
             pass
     if sent:
         _ranks_reached = True
+        _passed_on.append(number)
         return
     children = psutil.Process().children()
     if _ranks_reached:
@@ -82,6 +89,7 @@ def _send(number: int, ranks: list) -> None:
         for process in children:  # the job's own (mpirun, ssh to other hosts): they end theirs
             try:
                 process.send_signal(number)
+                _passed_on.append(number)
             except psutil.Error:
                 pass
         if children or number in HELD_BY_STARTING_RANKS:

@@ -28,10 +28,9 @@ from hvdtrain.cli import forwarding
 from hvdtrain.cli.forwarding import forward_to_ranks
 from hvdtrain.cli.leaving import leave_without_teardown
 from hvdtrain.cli.mpirun_child import MpirunAsChild
+from hvdtrain.cli.outcome import ANOTHER_RANK_FAILED, STOPPED, outcome
 from hvdtrain.errors import UserError
 
-STOPPED = 75  # every rank stopped on a signal with a checkpoint (hvdtrain.errors.StoppedBySignal)
-ANOTHER_RANK_FAILED = 76  # dist: a rank whose collective broke off as another failed (hvdtrain.errors)
 FAILED_JOB_GRACE_SECONDS = 5
 # After a rank stopped on a signal, how long the others have to finish their own way out of the stop.
 STOPPED_GRACE_SECONDS = 30.0
@@ -290,35 +289,6 @@ def torchrun_outcome(failures: dict[int, object]) -> tuple[int, str | None]:
                    "worker rank")
 
 
-def outcome(failures: dict[Any, tuple[int, float]], worker: str = "worker") -> tuple[int, str | None]:
-    """The launcher's exit status and its line, from the failed workers' (exit code, time) by rank.
-
-    A rank that stopped (75) did so after every rank had saved and met: a signal the launcher then sent
-    to a rank still on its way out cuts nothing short, and is not named. Else the worker that failed
-    first, by how it ended: one killed by a signal (SIGKILL, out of memory) before the others, whose
-    own errors follow from it (their peer went away); then one that exited with an error of its own;
-    then one whose collective broke off (76), a consequence; SIGTERM last of all, which the launcher
-    sends to the rest once one failed. Among equals, the first to end. The status is that worker's
-    (128 + N for signal N, as a shell says it)."""
-    codes = {rank: code for rank, (code, _) in failures.items()}
-    if STOPPED in codes.values():
-        return STOPPED, None
-    rank = min(codes, key=lambda r: (_consequence(codes[r]), failures[r][1], r))
-    code = codes[rank]
-    return code if code >= 0 else 128 - code, \
-        f"{worker} {rank} {_describe_exit(code)}; the other workers were stopped"
-
-
-def _consequence(code: int) -> int:
-    """How far an exit status is from the job's first failure: 0 for a death by a signal other than
-    SIGTERM, 1 for an error of its own, 2 for a broken-off collective, 3 for SIGTERM."""
-    if code in (-signal.SIGTERM, 128 + signal.SIGTERM):
-        return 3
-    if code == ANOTHER_RANK_FAILED:
-        return 2
-    return 0 if code < 0 or code > 128 else 1
-
-
 def _program_index(argv: list[str]) -> int:
     """Where the program (`hvdtrain`, a script) begins among torchrun's arguments."""
     from torch.distributed.run import get_args_parser
@@ -331,20 +301,6 @@ def _program_index(argv: list[str]) -> int:
         takes_value = options.get(name, len(matches) == 1 and options[matches[0]])
         index += 2 if takes_value and "=" not in argv[index] else 1
     return min(index, max(0, len(argv) - 1))
-
-
-def _describe_exit(code: int) -> str:
-    """`exited with status 2`, or the signal that a shell's 128+N status (or a negative one) stands for,
-    with the status a shell gives it: the launcher's own."""
-    if code == ANOTHER_RANK_FAILED:
-        return f"stopped because another rank failed or left (exit status {code})"
-    number = code - 128 if code > 128 else -code if code < 0 else 0
-    if number:
-        try:
-            return f"was killed by {signal.Signals(number).name} (exit status {128 + number})"
-        except ValueError:
-            pass
-    return f"exited with status {code}"
 
 
 if __name__ == "__main__":
