@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, epoch_records, fit_under, launch_env, requires_launchers, requires_sshd, run_summary, sshd
+from conftest import (ROOT, epoch_records, fit_under, launch_env, requires_launchers, requires_sshd, run, run_summary,
+                      sshd)
 
 HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
 FIRST_HOSTS, LOST_HOST, NEW_HOST = HOSTS[:3], HOSTS[2], HOSTS[3]
@@ -190,12 +191,54 @@ def test_elastic_without_the_elastic_launcher_is_one_clear_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_the_torch_engine_under_the_elastic_launcher_is_one_clear_line(ssh_hosts, tmp_path):
+def test_the_torch_engine_under_the_elastic_launcher_is_one_clear_line(tmp_path):
     """horovodrun's elastic driver adds and replaces workers, which a fixed torch.distributed process
-    group cannot follow (its new workers' rank 0 found the first ones' port taken)."""
+    group cannot follow (its new workers' rank 0 found the first ones' port taken). The discovery script
+    lists this host alone: Horovod's driver waited for a second host, silently, until its 600 s timeout."""
     hostfile = tmp_path / "hosts"
-    write_hosts(hostfile, FIRST_HOSTS)
-    code, out, err = finish(start_elastic(ssh_hosts, hostfile, tmp_path / "run", "--engine", "torch"), timeout=120)
+    hostfile.write_text("localhost slots=2\n")
+    job = subprocess.Popen(["horovodrun", "--gloo", "-np", "2", "--min-np", "1", "--host-discovery-script",
+                            str(ROOT / "launch" / "discover-hosts.sh"), "hvdtrain", "fit", "--elastic", "--engine",
+                            "torch", "--progress", "off", "--run-dir", str(tmp_path / "run")],
+                           env={**launch_env(), "HOSTFILE": str(hostfile)}, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    code, out, err = finish(job, timeout=120)
     errors = [line for line in (out + err).splitlines() if "hvdtrain: error:" in line]
     assert code != 0 and len(errors) == 1 and "elastic mode adds and replaces processes" in errors[0], err[-3000:]
     assert "Traceback" not in out + err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("script, slots, problem", [
+    ("echo localhost:2; echo node-2:4", None, None),
+    ("echo localhost", 2, None),  # the slots from --slots-per-host
+    ("true", None, None),  # no host usable yet
+    ("echo 'localhost slots=2'", None, "printed 'localhost slots=2' (a hostfile's form: print localhost:N): it must "
+                                       "print one host:slots line per host now usable"),
+    ("echo localhost", None, "printed 'localhost' (or give horovodrun --slots-per-host N)"),
+    ("echo no hosts >&2; exit 3", None, "exited with status 3 (no hosts): it must exit 0"),
+])
+def test_a_discovery_script_horovod_cannot_read_is_named_with_what_it_printed(script, slots, problem, tmp_path):
+    from hvdtrain.cli.elastic_launch import discovery_problem
+
+    path = tmp_path / "discover.sh"
+    path.write_text(f"#!/bin/sh\n{script}\n")
+    path.chmod(0o755)
+    found = discovery_problem(str(path), slots)
+    assert found == problem if problem is None else found.startswith(problem), found
+    path.chmod(0o644)
+    assert discovery_problem(str(path), slots) == "is not executable: chmod +x it"
+    assert discovery_problem(str(tmp_path / "absent.sh"), slots) == "was not found"
+
+
+def test_horovodrun_says_in_one_line_that_its_discovery_script_cannot_be_read(tmp_path):
+    """Horovod's driver raised it in its discovery thread: two tracebacks, 'Job has been shutdown'."""
+    path = tmp_path / "discover.sh"
+    path.write_text("#!/bin/sh\necho 'localhost slots=2'\n")
+    path.chmod(0o755)
+    done = run(["horovodrun", "--gloo", "-np", "2", "--min-np", "1", "--host-discovery-script", str(path), "hvdtrain",
+                "fit", "--elastic", "--run-dir", str(tmp_path / "run")], timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"horovodrun: the host discovery script {path} printed 'localhost slots=2' (a hostfile's form: print "
+        "localhost:N): it must print one host:slots line per host now usable")
+    assert not (tmp_path / "run").exists()

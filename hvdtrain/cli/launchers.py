@@ -24,7 +24,7 @@ import sys
 import threading
 from typing import Any
 
-from hvdtrain.cli import forwarding
+from hvdtrain.cli import elastic_launch, forwarding
 from hvdtrain.cli.forwarding import forward_to_ranks
 from hvdtrain.cli.leaving import leave_without_teardown
 from hvdtrain.cli.mpirun_child import MpirunAsChild
@@ -48,6 +48,7 @@ def horovodrun() -> None:
     # Horovod's Gloo launcher would take SIGINT and SIGTERM over and kill every rank 5 s later,
     # stopped or not: its shutdown event is left unset, the ranks stop themselves.
     gloo_run.register_shutdown_event = threading.Event
+    elastic_launch.prepare(launch, gloo_run)
     workers = _GlooWorkers(gloo_run)
     try:
         code = launch.run_commandline()
