@@ -4,6 +4,7 @@ import errno
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,18 @@ def test_a_metrics_line_on_a_full_disk_is_one_line(tmp_path):
     (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write to it fails with ENOSPC
     with pytest.raises(WriteFailed, match="could not write .*metrics.jsonl: No space left on device"):
         RunFiles(tmp_path).append_metrics({"epoch": 1})
+
+
+def test_a_run_directory_removed_while_the_job_runs_is_said_so(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    files = RunFiles(run_dir)
+    files.append_metrics({"epoch": 1})
+    shutil.rmtree(run_dir)
+    with pytest.raises(WriteFailed) as failed:
+        files.append_metrics({"epoch": 2})
+    assert str(failed.value) == (f"could not write {run_dir}/metrics.jsonl: its directory {run_dir} no longer exists "
+                                 "(removed while the job ran?)")
 
 
 def test_lower_loss_is_better(tmp_path):

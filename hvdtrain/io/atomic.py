@@ -43,6 +43,8 @@ def why_not_written(err: Exception, directory: Path) -> str | None:
     """What a failed write's error says, with the free space where that ran out; None for an error that
     is not a failed write. torch.save into a file swallows the write's OSError and says only
     `unexpected pos N vs M`: a short write, which a full file system (or quota) is nearly always behind."""
+    if isinstance(err, OSError) and err.errno == errno.ENOENT and not directory.exists():
+        return f"its directory {directory} no longer exists (removed while the job ran?)"
     if isinstance(err, OSError) and (err.errno is not None or _SHORT_WRITE.search(str(err))):
         full = err.errno in (errno.ENOSPC, errno.EDQUOT, None)  # np.save's short write has no errno
         reason = err.strerror or str(err)
