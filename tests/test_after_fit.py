@@ -341,6 +341,13 @@ BAD = {
     "data that does not fit": (["evaluate", "{run}", "--data", "{tmp}/wide.npz"], "mat1 and mat2 shapes"),
     "labels beyond the classes": (["evaluate", "{run}", "--data", "{tmp}/many.npz"], "the labels reach 12"),
     "missing checkpoint file": (["export", "{run}", "--checkpoint", "{tmp}/x.pt"], "checkpoint '"),
+    "an epoch the run has not": (["evaluate", "{run}", "--checkpoint", "epoch-0009"], "checkpoint 'epoch-0009' does "
+                                 "not exist: pass best, last, the name of one in the run's checkpoints (the run's: "
+                                 "best, epoch-0001, epoch-0002, last)"),
+    "a model to stdout": (["export", "{run}", "--output", "-"], "--output '-' would be a file named '-': give the "
+                          "model a file name"),
+    "a folder of runs": (["evaluate", "{runs}"], "is no run directory but holds 1: run; pass one of them (`hvdtrain "
+                         "runs "),
     "nothing to plot": (["plot", "{empty}"], "not a run directory"),
     "samples that do not stack": (["predict", "{run}", "--data", "user_code:ragged", "--output", "{tmp}/p.npy"],
                                   "the first prediction batch (samples 0 to "),
@@ -352,13 +359,26 @@ BAD = {
 EXIT_1 = ("a corrupt sample mid-way", "a corrupt sample mid-way, predicting")  # the user's code failed mid-run
 
 
+def test_a_checkpoint_of_the_run_is_named_as_its_file_is_and_json_goes_to_stdout_as_dash(finished_digits, capsys):
+    """`--checkpoint epoch-0001`, and `--output -` / `--json -` as other tools take them: the JSON alone on
+    stdout (it made a file named '-'), the command's line on stderr."""
+    main(["evaluate", str(finished_digits), "--checkpoint", "epoch-0001", "--output", "-"])
+    out, err = capsys.readouterr()
+    assert json.loads(out)["epoch"] == 1 and "(epoch 1)" in err and err.rstrip().endswith("; written to stdout")
+    main(["runs", str(finished_digits.parent), "--json", "-"])
+    out, err = capsys.readouterr()
+    assert [run["run"] for run in json.loads(out)] == [str(finished_digits)] and "run" in err
+    assert not Path("-").exists()
+
+
 @pytest.mark.parametrize("case", BAD)
 def test_bad_input_after_fit_is_one_line(case, finished_digits, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     np.savez(tmp_path / "wide.npz", x=np.zeros((10, 20), np.float32), y=np.zeros(10, np.int64))
     np.savez(tmp_path / "many.npz", x=np.zeros((10, 1, 8, 8), np.float32), y=np.full(10, 12))
     args, expected = BAD[case]
-    args = [a.format(empty=tmp_path / "empty", tmp=tmp_path, run=finished_digits) for a in args]
+    args = [a.format(empty=tmp_path / "empty", tmp=tmp_path, run=finished_digits, runs=finished_digits.parent)
+            for a in args]
     before = sorted(str(p) for p in finished_digits.rglob("*"))
     with pytest.raises(SystemExit) as stop:
         main(args)

@@ -74,14 +74,25 @@ def read_checkpoint(run_dir: Path, which: str) -> dict[str, Any]:
 def checkpoint_path(run_dir: Path, which: str) -> Path:
     if which not in NAMED:
         path = Path(which).expanduser()
+        store = CheckpointStore(run_dir)
+        kept = [store.dir / name for name in (which, f"{which}.pt")]  # `epoch-0003`: one of the run's own
+        if not path.is_file() and any(candidate.is_file() for candidate in kept):
+            return next(candidate for candidate in kept if candidate.is_file())
         if not path.is_file():
-            raise UserError(f"checkpoint '{which}' does not exist: pass best, last or the path of a checkpoint file")
+            names = sorted(candidate.stem for candidate in store.dir.glob("*.pt")) if store.dir.is_dir() else []
+            held = f" (the run's: {', '.join(names)})" if names else ""
+            raise UserError(f"checkpoint '{which}' does not exist: pass best, last, the name of one in the run's "
+                            f"checkpoints{held} or the path of a checkpoint file")
         return path
     if not run_dir.is_dir():
         raise UserError(f"run directory '{run_dir}' does not exist: pass the --run-dir of a finished `hvdtrain fit`")
     store = CheckpointStore(run_dir)
     path = store.named(which)
     if not path.is_file():
+        runs = sorted(str(found.parent.parent.relative_to(run_dir)) for found in run_dir.glob(f"*/*/{path.name}"))
+        if runs:  # a folder of runs, as `runs/` is
+            raise UserError(f"'{run_dir}' is no run directory but holds {len(runs)}: {', '.join(runs[:5])}"
+                            f"{', ...' if len(runs) > 5 else ''}; pass one of them (`hvdtrain runs {run_dir}` lists them)")
         raise UserError(f"'{run_dir}' has no checkpoints ({path} is missing): pass the run directory of a `fit` "
                         "that finished at least one epoch")
     expected = store.recorded_sha256(which)

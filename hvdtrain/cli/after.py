@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 import click
 
-from hvdtrain.cli.common import UserPath, command_engine, is_rank_0, write_json
+from hvdtrain.cli.common import UserPath, command_engine, is_rank_0, not_stdout, report
 from hvdtrain.config import default_part, parse_assignment, saved_run_overrides
 from hvdtrain.errors import UserError
 
@@ -48,7 +48,8 @@ def _default_part(part: str | None, data: str | None) -> str:
 @click.command()
 @_saved_run_options
 @click.option("--output", type=UserPath(dir_okay=False),
-              help="JSON file for the metrics (default RUN_DIR/evaluate-<checkpoint>-<data>-<split>.json).")
+              help="JSON file for the metrics (default RUN_DIR/evaluate-<checkpoint>-<data>-<split>.json; - for "
+                   "stdout).")
 def evaluate(run_dir: str, checkpoint: str, data: str | None, part: str | None, batch_size: int | None,
              assignments: Sequence[str], device: str, debug: bool, output: str | None) -> None:
     """A checkpoint's metrics on its validation data or other data (under a launcher: sharded)."""
@@ -62,11 +63,11 @@ def evaluate(run_dir: str, checkpoint: str, data: str | None, part: str | None, 
         saved = open_run(engine, run_dir, checkpoint, overrides)
         result = evaluate_run(saved, engine, part)
         if engine.is_root:  # dist: rank 0 reports and writes
-            path = Path(output) if output else Path(run_dir) / f"evaluate-{_stem(checkpoint)}-{_stem(saved.config.data.name)}-{part}.json"
-            write_json(str(path), result)
+            path = output or str(Path(run_dir) / f"evaluate-{_stem(checkpoint)}-{_stem(saved.config.data.name)}-{part}.json")
             metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float))
-            click.echo(f"hvdtrain: evaluated {saved.checkpoint} (epoch {saved.epoch}) on {result['samples']} samples "
-                       f"of {result['data']} ({part}), world size {engine.size}: {metrics}; written to {path}")
+            report(f"hvdtrain: evaluated {saved.checkpoint} (epoch {saved.epoch}) on {result['samples']} samples of "
+                   f"{result['data']} ({part}), world size {engine.size}: {metrics}; written to "
+                   f"{'stdout' if path == '-' else path}", path, result)
 
 
 @click.command()
@@ -106,6 +107,7 @@ def export_model(run_dir: str, checkpoint: str, data: str | None, part: str | No
     from hvdtrain.data.loading import first_batch
     from hvdtrain.after.saved_run import open_run
 
+    not_stdout(output, "model")
     overrides = _run_overrides(data, batch_size, device, assignments)
     part = _default_part(part, data)
 
@@ -159,8 +161,7 @@ def list_runs(root: str, json_path: str | None) -> None:
     found = find_runs(Path(root))
     if not found:
         raise UserError(f"no run directories under '{root}': runs are where `fit --run-dir` put them")
-    click.echo(table(found))
-    write_json(json_path, as_json(found))
+    report(table(found), json_path, as_json(found))
 
 
 def _stem(name: str) -> str:

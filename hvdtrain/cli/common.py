@@ -133,10 +133,26 @@ def is_rank_0() -> bool:
 
 
 def write_json(path: str | None, payload: Any) -> None:
+    """`payload` as JSON into `path` (nothing without one); `-` prints it on stdout."""
     if path:
         import json
 
         from hvdtrain.io.atomic import atomic_write
 
         text = json.dumps(payload, indent=2) + "\n"
+        if path == "-":
+            click.echo(text, nl=False)
+            return
         atomic_write(Path(path), lambda handle: handle.write(text.encode()))
+
+
+def report(text: str, json_path: str | None, payload: Any) -> None:
+    """A command's text and its JSON: `--json -` puts the JSON alone on stdout (for jq), the text on stderr."""
+    write_json(json_path, payload)
+    click.echo(text, err=json_path == "-")
+
+
+def not_stdout(path: str | None, what: str) -> None:
+    """`--output -` means stdout to many tools; a model or an image would be a file named '-' here."""
+    if path == "-":
+        raise UserError(f"--output '-' would be a file named '-': give the {what} a file name")

@@ -12,7 +12,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import click
 
-from hvdtrain.cli.common import UserPath, command_engine, is_rank_0, report_and_exit, write_json
+from hvdtrain.cli.common import UserPath, command_engine, is_rank_0, report, report_and_exit
 from hvdtrain.config import FIT, FitSetting, parse_assignment, settings_config
 from hvdtrain.errors import UserError
 
@@ -95,5 +95,4 @@ def plan(config_path: str | None, assignments: Sequence[str], debug: bool, plann
         if not is_rank_0():
             return
     found = planner.make_plan(config, ranks)
-    click.echo(planner.render(found))
-    write_json(json_path, found)
+    report(planner.render(found), json_path, found)

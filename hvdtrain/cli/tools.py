@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import click
 
-from hvdtrain.cli.common import UserPath, command_engine, is_rank_0, write_json
+from hvdtrain.cli.common import UserPath, command_engine, is_rank_0, report
 from hvdtrain.cli.fit import fit_config, fit_options
 from hvdtrain.config import describe
 from hvdtrain.errors import UserError
@@ -35,8 +35,8 @@ def bench_allreduce(min_bytes: int, max_bytes: int, iterations: int, plot: str |
     with command_engine(False) as engine:
         rows = allreduce.run(engine, min_bytes, max_bytes, iterations)
         if engine.is_root:  # dist: rank 0 reports
-            click.echo(allreduce.table(rows, engine))
-            write_json(json_path, {"world_size": engine.size, "controller": engine.controller, "rows": rows})
+            report(allreduce.table(rows, engine), json_path,
+                   {"world_size": engine.size, "controller": engine.controller, "rows": rows})
             if plot:
                 draw(plot, [r["bytes"] for r in rows], {"algbw": [r["algbw_GBps"] for r in rows],
                                                          "busbw": [r["busbw_GBps"] for r in rows]},
@@ -84,8 +84,7 @@ def bench_train(model: str, hidden: int, input_shape: str, classes: int, batch_s
                            repeats=repeats, scaling=scaling, compression=compression, precision=precision,
                            channels_last=channels_last)
         if engine.is_root:
-            click.echo(train.describe(result))
-            write_json(json_path, result)
+            report(train.describe(result), json_path, result)
             if plot:
                 bars = {"total": [result["samples_per_s_total"]]}
                 if scaling:
@@ -105,8 +104,7 @@ def bench_sampler(size: int, world_size: int, json_path: str | None) -> None:
     if size < 1 or world_size < 1 or world_size > size:
         raise UserError(f"need 1 <= --world-size <= --size, got --size {size} --world-size {world_size}")
     rows = [sampler.measure(kind, size, world_size) for kind in sampler.SAMPLERS]
-    click.echo(sampler.table(rows, size, world_size))
-    write_json(json_path, {"size": size, "world_size": world_size, "rows": rows})
+    report(sampler.table(rows, size, world_size), json_path, {"size": size, "world_size": world_size, "rows": rows})
 
 
 @bench.command("data")
@@ -137,8 +135,7 @@ def bench_data(config_path: str | None, assignments: Sequence[str], debug: bool,
                         threads=config.train.threads) as engine:
         result = data.run(config, engine, workers, count, steps)
         if engine.is_root:  # dist: rank 0 reports its own shard's figures
-            click.echo(data.table(result))
-            write_json(json_path, result)
+            report(data.table(result), json_path, result)
 
 
 @click.command()
@@ -166,8 +163,8 @@ def doctor(planned: int, device: str, engine_kind: str, json_path: str | None) -
         if not is_rank_0():
             return
     found = [checks.problems(r, device, engine_kind) for r in reports]
-    click.echo("\n".join(checks.render(r, f, device) for r, f in zip(reports, found)))
-    write_json(json_path, [{**r, "problems": f} for r, f in zip(reports, found)])
+    report("\n".join(checks.render(r, f, device) for r, f in zip(reports, found)), json_path,
+           [{**r, "problems": f} for r, f in zip(reports, found)])
     if any(found):
         sys.exit(1)
 
