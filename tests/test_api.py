@@ -182,6 +182,7 @@ def _blobs():
      "overrides={'optim.args': {...}}) or a function of (params, lr) that builds it"),
     # other tools' names, and a config key without a flag, point at ours
     (dict(data=_blobs(), learning_rate=0.1), "unknown setting 'learning_rate': did you mean lr=...?"),
+    (dict(data=_blobs(), output_dir="runs/x"), "unknown setting 'output_dir': did you mean run_dir=...?"),
     (dict(data=_blobs(), val_fraction=0.1),
      "unknown setting 'val_fraction': did you mean overrides={'data.val_fraction': ...}? (it has no flag)"),
     (dict(data=_blobs(), overrides={"batch_size": 4}),

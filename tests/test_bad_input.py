@@ -230,7 +230,7 @@ def test_checkpoint_of_another_model(existing_run, capsys):
     err = resume_refused(existing_run, capsys, "--set", "model.hidden=32")
     assert "does not fit this model" in err and "size mismatch" in err
     assert err.strip().endswith("resume with the settings it was written with (model.hidden was 128, now 32): give "
-                                f"them again, or --config {existing_run / 'config.yaml'}"), err
+                                f"them again, or add --config {existing_run / 'config.yaml'}"), err
 
 
 def test_checkpoint_of_another_task(existing_run, capsys):

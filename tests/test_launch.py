@@ -170,6 +170,9 @@ def test_a_stop_the_launcher_passed_on_is_said_as_such_unless_a_worker_failed_of
     assert outcome({0: (-2, 1.0), 1: (-2, 1.0)}) == stopped
     assert outcome({0: (1, 1.0), 1: (130, 2.0)}) == (1, "worker 0 exited with status 1; the other workers were stopped")
     assert outcome({0: (75, 1.0), 1: (130, 2.0)}) == (75, None)
+    assert outcome({0: (130, 1.0), 1: (76, 2.0)}) == stopped  # rank 1's collective broke off as rank 0 stopped
+    monkeypatch.setattr(forwarding, "_passed_on", [signal.SIGUSR1, signal.SIGTERM, signal.SIGTERM])
+    assert outcome({0: (-15, 1.0), 1: (-15, 2.0)}) == (143, "stopped by SIGTERM, which it passed on to the workers")
     monkeypatch.setattr(forwarding, "_passed_on", [])
     assert outcome({0: (130, 1.0), 1: (143, 2.0)})[1].startswith("worker 0 was killed by SIGINT (exit status 130)")
 

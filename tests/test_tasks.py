@@ -266,8 +266,8 @@ def test_the_first_batch_names_what_does_not_fit():
         _check(TaskConfig(), nn.Conv1d(4, 3, 1), (torch.randn(2, 4, 5), per_position))
     with pytest.raises(UserError, match=r"classification needs integer class labels .* --task regression"):
         _check(TaskConfig(), three, (x, torch.randn(8)))
-    with pytest.raises(UserError, match=r"the labels are true/false \(torch.bool\), one per sample: give them as "
-                                        r"integer class labels, 0 and 1"):
+    with pytest.raises(UserError, match=r"the labels are true/false \(torch.bool\): give them as integer class "
+                                        r"labels, 0 and 1"):
         _check(TaskConfig(), nn.Linear(4, 2), (x, torch.rand(8) > 0.5))
     with pytest.raises(UserError, match=r"1 output per sample, one class: nothing to tell apart. .*--task regression"):
         _check(TaskConfig(), nn.Linear(4, 1), (x, torch.randn(8, 1)))
@@ -284,6 +284,27 @@ def test_the_first_batch_names_what_does_not_fit():
         _check(TaskConfig(), _OnlyX(three), {"x": x, "y": torch.zeros(8, dtype=torch.long)})
     with pytest.raises(UserError, match=r"failed in the model's forward .*mat1 and mat2.*tensor \(8, 5\) float32"):
         _check(TaskConfig(), three, (torch.randn(8, 5), torch.zeros(8, dtype=torch.long)))
+
+
+class _Nested(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        logits = self.inner(x)
+        return (logits, logits.sum(1)), {"hidden": logits * 2}
+
+
+def test_a_loss_taken_off_the_graph_is_refused_and_working_losses_are_left_alone():
+    three, x, y = nn.Linear(4, 3), torch.randn(8, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    with pytest.raises(UserError, match=r"loss does not follow the model's output back"):
+        _check(TaskConfig(name="user_code:detached_loss"), three, (x, y))
+    task = build_task(TaskConfig(name="user_code:detached_loss"))
+    check_first_batch(task, three, (x, y), None, Precision("32", CPU), stage="evaluation")  # no step taken there
+    _check(TaskConfig(name="user_code:in_place_loss"), three, (x, y))
+    _check(TaskConfig(name="user_code:nested_output_loss"), _Nested(three), (x, y))
+    _check(TaskConfig(name="torch.nn.functional:cross_entropy"), three, (x, y))
 
 
 class _OnlyX(nn.Module):

@@ -575,6 +575,17 @@ def log_of_zero_loss(output, target):
     return torch.log(torch.zeros(())) * output.sum()
 
 
+def in_place_loss(output, target):
+    """Trains: the output is no leaf in training, and an in-place operation on it is allowed."""
+    return torch.nn.functional.cross_entropy(output.div_(2.0), target)
+
+
+def nested_output_loss(output, target):
+    """For a model returning ((logits, aux), hidden)."""
+    (logits, _aux), _hidden = output
+    return torch.nn.functional.cross_entropy(logits, target)
+
+
 def detached_loss(output, target):
     """A loss taken off the graph, as `.detach()` or a tensor made from `.item()` leaves it."""
     return torch.nn.functional.cross_entropy(output, target).detach()

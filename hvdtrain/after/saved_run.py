@@ -77,7 +77,7 @@ def checkpoint_path(run_dir: Path, which: str) -> Path:
         store = CheckpointStore(run_dir)
         kept = [store.dir / name for name in (which, f"{which}.pt")]  # `epoch-0003`: one of the run's own
         if not path.is_file() and any(candidate.is_file() for candidate in kept):
-            return next(candidate for candidate in kept if candidate.is_file())
+            return _intact(store, next(candidate for candidate in kept if candidate.is_file()).name)
         if not path.is_file():
             names = sorted(candidate.stem for candidate in store.dir.glob("*.pt")) if store.dir.is_dir() else []
             held = f" (the run's: {', '.join(names)})" if names else ""
@@ -91,10 +91,17 @@ def checkpoint_path(run_dir: Path, which: str) -> Path:
     if not path.is_file():
         runs = sorted(str(found.parent.parent.relative_to(run_dir)) for found in run_dir.glob(f"*/*/{path.name}"))
         if runs:  # a folder of runs, as `runs/` is
-            raise UserError(f"'{run_dir}' is no run directory but holds {len(runs)}: {', '.join(runs[:5])}"
-                            f"{', ...' if len(runs) > 5 else ''}; pass one of them (`hvdtrain runs {run_dir}` lists them)")
+            listed = ", ".join(runs[:5]) + (", ..." if len(runs) > 5 else "")
+            raise UserError(f"'{run_dir}' is no run directory but holds {len(runs)}: {listed}; pass one of them "
+                            f"(`hvdtrain runs {run_dir}` lists them)")
         raise UserError(f"'{run_dir}' has no checkpoints ({path} is missing): pass the run directory of a `fit` "
                         "that finished at least one epoch")
+    return _intact(store, which)
+
+
+def _intact(store: CheckpointStore, which: str) -> Path:
+    """The checkpoint `which` (best, last or a kept file's name), checked against the manifest's sha256."""
+    path = store.named(which) if which in NAMED else store.dir / which
     expected = store.recorded_sha256(which)
     if expected is not None and sha256_of(path) != expected:
         raise UserError(f"checkpoint '{path}' is corrupt or truncated (its sha256 does not match {MANIFEST}): pass "

@@ -148,8 +148,8 @@ def write_json(path: str | None, payload: Any) -> None:
 
 def report(text: str, json_path: str | None, payload: Any) -> None:
     """A command's text and its JSON: `--json -` puts the JSON alone on stdout (for jq), the text on stderr."""
-    write_json(json_path, payload)
     click.echo(text, err=json_path == "-")
+    write_json(json_path, payload)
 
 
 def not_stdout(path: str | None, what: str) -> None:

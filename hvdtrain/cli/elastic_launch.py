@@ -32,13 +32,15 @@ def discovery_problem(script: str, default_slots: int | None) -> str | None:
     """What Horovod would fail on: the script not running, or a line that is not `host:slots`
     (`host` alone where --slots-per-host gives the slots); None when it can be read."""
     try:
-        done = subprocess.run(script, shell=True, capture_output=True, text=True, timeout=DISCOVERY_SECONDS)
-    except subprocess.TimeoutExpired:
-        return f"did not finish within {DISCOVERY_SECONDS} s: horovodrun runs it every second"
+        done = subprocess.run(script, shell=True, capture_output=True, text=True, errors="replace",
+                              timeout=DISCOVERY_SECONDS)
+    except subprocess.TimeoutExpired:  # slow, not wrong: Horovod's driver waits for it as long as it takes
+        return None
     said = (done.stderr.strip().splitlines() or [""])[-1]
     if done.returncode != 0:
-        why = {126: "is not executable: chmod +x it", 127: "was not found"}.get(done.returncode)
-        return why or f"exited with status {done.returncode}{f' ({said})' if said else ''}: it must exit 0"
+        why = {126: "it could not be run (not executable? chmod +x it)", 127: "it, or a command in it, was not found"}
+        return (f"exited with status {done.returncode}{f' ({said})' if said else ''}"
+                f"{': ' + why.get(done.returncode, 'it must exit 0')}")
     for line in filter(None, (line.strip() for line in done.stdout.splitlines())):
         if re.fullmatch(r"[^\s:]+:\d+", line) or (default_slots and re.fullmatch(r"[^\s:]+", line)):
             continue
@@ -51,16 +53,24 @@ def discovery_problem(script: str, default_slots: int | None) -> str | None:
 def _one_host_needs_no_second(gloo_run: Any) -> None:
     """Horovod's elastic driver, to find the network interfaces hosts share, waits for 2 hosts unless
     --network-interface names one: with the discovery script listing this host alone it waited,
-    silently, until its --elastic-timeout (600 s) ended the job. This host needs no such search."""
+    silently, until its --elastic-timeout (600 s) ended the job. It starts there now, over the loopback
+    interface (Horovod's choice for local hosts), which a host added later cannot reach: said where the
+    job may grow past this host's slots."""
     from horovod.runner.util import network
 
     wait_for = gloo_run._get_min_start_hosts
 
     def min_start_hosts(settings: Any) -> int:
         try:
-            hosts = list(settings.discovery.find_available_hosts_and_slots())
+            hosts = settings.discovery.find_available_hosts_and_slots()
         except Exception:  # noqa: BLE001 - the driver's own discovery says what is wrong
             return wait_for(settings)
-        return 1 if hosts and not network.filter_local_addresses(hosts) else wait_for(settings)
+        if not hosts or network.filter_local_addresses(list(hosts)):
+            return wait_for(settings)
+        if settings.max_num_proc is None or settings.max_num_proc > sum(hosts.values()):
+            print("horovodrun: the host discovery script lists this host alone: the job starts on it over the "
+                  "loopback interface, which hosts added later cannot reach; for a job that grows onto other "
+                  "hosts, give --network-interface IFACE", file=sys.stderr, flush=True)
+        return 1
 
     gloo_run._get_min_start_hosts = min_start_hosts

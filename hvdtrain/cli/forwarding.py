@@ -39,9 +39,9 @@ def launch_begins(nothing_started: Callable[[int], None] | None = None) -> None:
     _launch_begun, _nothing_started = True, nothing_started
 
 
-def first_passed_on() -> int | None:
-    """The first signal this launcher passed on to the job (a user's Ctrl-C, a scheduler's SIGTERM), if any."""
-    return _passed_on[0] if _passed_on else None
+def passed_on() -> list[int]:
+    """The signals this launcher passed on to the job (a user's Ctrl-C, a scheduler's SIGTERM), first first."""
+    return list(dict.fromkeys(_passed_on))
 
 
 def forward_to_ranks(number: int, frame: object = None) -> None:

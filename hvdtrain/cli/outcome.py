@@ -27,28 +27,33 @@ def outcome(failures: dict[Any, tuple[int, float]], worker: str = "worker") -> t
     codes = {rank: code for rank, (code, _) in failures.items()}
     if STOPPED in codes.values():
         return STOPPED, None
-    passed_on = forwarding.first_passed_on()
-    if passed_on is not None and _ended_by(codes.values(), passed_on):  # predict, a script: no stop of their own
-        return 128 + passed_on, f"stopped by {signal.Signals(passed_on).name}, which it passed on to the workers"
+    passed_on = forwarding.passed_on()
+    for number in passed_on:  # predict, a script: no stop of their own
+        if _ended_by(codes.values(), number, passed_on):
+            return 128 + number, f"stopped by {signal.Signals(number).name}, which it passed on to the workers"
     rank = min(codes, key=lambda r: (_consequence(codes[r], passed_on), failures[r][1], r))
     code = codes[rank]
     return code if code >= 0 else 128 - code, \
         f"{worker} {rank} {_describe_exit(code)}; the other workers were stopped"
 
 
-def _ended_by(codes: Iterable[int], number: int) -> bool:
-    """Every worker ended by the signal `number` the launcher passed on (by its default action, or by
-    exiting with 128 + number, as for Ctrl-C), or by the launcher's SIGTERM to the rest after the first."""
-    own, launchers = {128 + number, -number}, {128 + signal.SIGTERM, -signal.SIGTERM}
+def _ended_by(codes: Iterable[int], number: int, passed_on: list[int]) -> bool:
+    """Some worker ended by the signal `number` the launcher passed on (by its default action, or by
+    exiting with 128 + number, as for Ctrl-C), and every other by a signal it passed on, by the launcher's
+    SIGTERM to the rest after the first, or as its collective broke off (76) when a peer left."""
+    def ended_by(code: int, numbers: Iterable[int]) -> bool:
+        return any(code in (128 + n, -n) for n in numbers)
+
     codes = list(codes)
-    return any(code in own for code in codes) and all(code in own | launchers for code in codes)
+    return any(ended_by(code, [number]) for code in codes) and all(
+        ended_by(code, [*passed_on, signal.SIGTERM]) or code == ANOTHER_RANK_FAILED for code in codes)
 
 
-def _consequence(code: int, passed_on: int | None = None) -> int:
+def _consequence(code: int, passed_on: Iterable[int] = ()) -> int:
     """How far an exit status is from the job's first failure: 0 for a death by a signal other than
-    SIGTERM, 1 for an error of its own, 2 for a broken-off collective, 3 for SIGTERM or the signal the
+    SIGTERM, 1 for an error of its own, 2 for a broken-off collective, 3 for SIGTERM or a signal the
     launcher passed on."""
-    if any(code in (-number, 128 + number) for number in (signal.SIGTERM, passed_on) if number is not None):
+    if any(code in (-number, 128 + number) for number in (signal.SIGTERM, *passed_on)):
         return 3
     if code == ANOTHER_RANK_FAILED:
         return 2

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import click
 
-from hvdtrain.cli.common import UserPath, command_engine, is_rank_0, report
+from hvdtrain.cli.common import UserPath, command_engine, is_rank_0, not_stdout, report
 from hvdtrain.cli.fit import fit_config, fit_options
 from hvdtrain.config import describe
 from hvdtrain.errors import UserError
@@ -29,6 +29,7 @@ def bench_allreduce(min_bytes: int, max_bytes: int, iterations: int, plot: str |
     from hvdtrain.tools.bench import allreduce
     from hvdtrain.tools.bench.stats import plot as draw
 
+    not_stdout(plot, "plot")
     if not 4 <= min_bytes <= max_bytes:
         raise UserError(f"--min-bytes must be at least 4 and at most --max-bytes, got {min_bytes} and {max_bytes}")
 
@@ -70,6 +71,7 @@ def bench_train(model: str, hidden: int, input_shape: str, classes: int, batch_s
     from hvdtrain.tools.bench import train
     from hvdtrain.tools.bench.stats import plot as draw
 
+    not_stdout(plot, "plot")
     try:
         shape = tuple(int(part) for part in input_shape.split(","))
     except ValueError:

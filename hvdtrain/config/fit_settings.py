@@ -120,10 +120,12 @@ _BY_NAME = {setting.name: setting for setting in FIT}
 def _setting_hint(name: str) -> str:
     """The setting meant (other tools' name for it, or a misspelling), or the config key to override."""
     ours = OTHER_TOOLS_NAMES.get(name, name)
-    close = [ours] if ours in FIT_SETTINGS else difflib.get_close_matches(name, list(FIT_SETTINGS), n=1)
+    homes = key_homes().get(ours, [])
+    by_key = {key: setting for setting, key in FIT_SETTINGS.items()}
+    close = ([ours] if ours in FIT_SETTINGS else [by_key[homes[0]]] if len(homes) == 1 and homes[0] in by_key
+             else difflib.get_close_matches(name, list(FIT_SETTINGS), n=1, cutoff=0.85))
     if close:
         return f"did you mean {close[0]}=...?"
-    homes = key_homes().get(ours, [])
     return f"did you mean overrides={{'{homes[0]}': ...}}? (it has no flag)" if len(homes) == 1 else ""
 
 

@@ -251,10 +251,15 @@ class CheckpointStore:
         return self.dir / NAMED[which]
 
     def recorded_sha256(self, which: str) -> str | None:
-        """The sha256 the manifest records for best.pt or last.pt; None without a readable manifest."""
+        """The sha256 the manifest records for best.pt, last.pt or a kept file by its name (`epoch-0003.pt`);
+        None without a readable manifest or an entry."""
         manifest, entries = self._manifest(), self._entries()
         try:
-            name = manifest["best"] if which == "best" else entries[-1]["file"]  # type: ignore[index]
+            name = which
+            if which == "best":
+                name = manifest["best"]  # type: ignore[index]
+            elif which == "last":
+                name = entries[-1]["file"]
             return next(e["sha256"] for e in entries if e["file"] == name)
         except (TypeError, KeyError, IndexError, StopIteration):
             return None

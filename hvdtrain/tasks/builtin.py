@@ -111,8 +111,8 @@ class Classification(Task):
                                 "several 0/1 labels per sample --task multilabel")
             return
         if target.dtype == torch.bool and target.shape == logits.shape[:1] + logits.shape[2:]:
-            raise UserError("task classification: the labels are true/false (torch.bool), one per sample: give them "
-                            "as integer class labels, 0 and 1 (int(label))")
+            raise UserError("task classification: the labels are true/false (torch.bool): give them as integer "
+                            "class labels, 0 and 1 (int(label))")
         if target.dtype == torch.bool or target.shape != logits.shape[:1] + logits.shape[2:]:
             raise UserError(f"task classification: labels of shape {_shape(target)} ({target.dtype}) do not fit "
                             f"the model's output {_shape(logits)}: one integer label per sample is needed "

@@ -53,7 +53,7 @@ def check_first_batch(task: Task, model: nn.Module, batch: Any, held_targets: to
                 task.check(output, target, held_targets)
             loss = own if own is not None else guarded(task, "its loss", lambda: task.loss(output, target), batch, stage)
             _check_loss(task, loss, "the model's" if own is not None else f"task '{task.name}' loss")
-            if own is None:
+            if own is None and stage == "training":  # evaluation takes no step
                 _check_loss_follows_the_output(task, output, target)
             metrics = guarded(task, "its metrics", lambda: batch_metrics(task, output, target, batch_size(batch)), batch, stage)
             template = _check_metrics(task, metrics)
@@ -113,20 +113,25 @@ def guarded(task: Task, what: str, call: Callable[[], Any], batch: Any, stage: s
 def _check_loss_follows_the_output(task: Task, output: Any, target: Any) -> None:
     """A loss that backward cannot follow to the output (detached, or made anew from `.item()`) trains
     nothing, and fails at the first step on every rank. The forward above tracks no gradients: the loss
-    is computed again from the output made into leaves that do."""
-    def leaf(value: Any) -> Any:
-        return value.detach().requires_grad_() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+    is computed again from the output's tensors made to track them (not leaves: in-place operations work
+    on them as in training). Only where every tensor of the output could be, and without a word where the
+    loss fails here: the training step says what the loss itself does wrong."""
+    def tracked(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.detach().requires_grad_().clone()
+        if type(value) in (tuple, list):
+            return type(value)(map(tracked, value))
+        return {key: tracked(item) for key, item in value.items()} if type(value) is dict else value
 
-    if type(output) in (tuple, list):
-        leaves = type(output)(map(leaf, output))
-    elif type(output) is dict:
-        leaves = {key: leaf(value) for key, value in output.items()}
-    else:
-        leaves = leaf(output)
-    if not any(tensor.requires_grad for tensor in tensors_in(leaves)):  # nothing a gradient could reach
-        return
-    with torch.enable_grad():
-        loss = task.loss(leaves, target)
+    with torch.enable_grad():  # the first batch's forward runs under no_grad
+        copy = tracked(output)
+        floats = [tensor for tensor in tensors_in(copy) if tensor.is_floating_point()]
+        if not floats or not all(tensor.requires_grad for tensor in floats):  # an output object, integers
+            return
+        try:
+            loss = task.loss(copy, target)
+        except Exception:  # noqa: BLE001 - not this check's to say
+            return
     if isinstance(loss, torch.Tensor) and not loss.requires_grad:
         raise UserError(f"task '{task.name}' loss does not follow the model's output back (it has no gradient: "
                         "detached, or made anew from .item() or numbers): compute it from the output it is given")

@@ -217,7 +217,8 @@ def restore(run: Run, config: Config, run_dir: Path,
         load_weights(unwrapped(run.model), state["model"])
     except RuntimeError as err:
         saved = run_dir / CONFIG_FILE  # the settings of the run that wrote it, as a file --config reads
-        again = f": give them again, or --config {saved}" if saved.is_file() else ""
+        objects = "hvdtrain.api:given." in str(state.get("config"))  # hvdtrain.fit's own objects: no file of them
+        again = f": give them again, or add --config {saved}" if saved.is_file() and not objects else ""
         raise UserError(f"checkpoint '{path}' does not fit this model: {message_lines(err, 3)}; resume with the "
                         f"settings it was written with{_settings_changed(state.get('config', {}), config)}{again}") from err
     written = state.get("config", {}).get("optim", {}).get("name")
