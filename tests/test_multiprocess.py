@@ -4,6 +4,7 @@ Horovod engine, torchrun with the torch engine."""
 import json
 import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,13 +46,27 @@ def test_fit_runs_under_each_launcher(launcher, tmp_path, request):
     assert "slow:" not in done.stdout and all("stragglers" not in r for r in records), done.stdout
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "horovodrun-gloo"])
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "horovodrun-gloo", "env-rendezvous"])
 def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_path, request):
     """The same config under torch.distributed (Gloo) and under Horovod (the shared horovodrun run); under
-    mpirun with the mlp wrapped in DistributedDataParallel by a factory, as a DDP script has it: taken off."""
+    mpirun with the mlp wrapped in DistributedDataParallel by a factory, as a DDP script has it: taken off;
+    without a launcher, two processes given torch's env:// variables as a PyTorchJob's pods get them (each
+    trained alone before, into one run directory)."""
     horovod_dir, _ = digits_np2
     if launcher == "torchrun":  # --engine auto picks torch; the shared run
         run_dir, done = request.getfixturevalue("digits_torchrun")
+    elif launcher == "env-rendezvous":
+        run_dir, port = tmp_path / "run", free_port()
+        ranks = [subprocess.Popen(["hvdtrain", "fit", "--progress", "off", "--epochs", "3", "--log-every", "4",
+                                   "--threads", "1", "--run-dir", str(run_dir)], cwd=tmp_path, text=True,
+                                  env={**launch_env(), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                       "MASTER_PORT": str(port)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for rank in (0, 1)]
+        ended = [rank.communicate(timeout=180) for rank in ranks]
+        done = subprocess.CompletedProcess([], max(rank.returncode for rank in ranks), ended[0][0] + ended[1][0],
+                                           ended[0][1] + ended[1][1])
+        assert_ok(done)
+        assert "rank 0/2 local_rank 0/1" in done.stderr and "rank 1/2 local_rank 0/1" in done.stderr  # one per "pod"
     elif launcher == "horovodrun-gloo":  # rank and size from horovodrun's own variables (no MPI's there)
         run_dir = tmp_path / "run"
         done = run([*LAUNCHERS[launcher], "hvdtrain", "fit", "--progress", "off", "--epochs", "3", "--log-every", "4",
@@ -69,7 +84,7 @@ def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_
     assert_ok(done)
     summary = run_summary(run_dir)
     assert summary["world_size"] == 2 and summary["controller"] == "gloo"
-    assert "rank 1/2 local_rank 1/2" in done.stderr
+    assert "rank 1/2 local_rank 1/2" in done.stderr or launcher == "env-rendezvous"
     assert_same_weights(final_weights(run_dir), final_weights(horovod_dir), atol=1e-5)
 
 

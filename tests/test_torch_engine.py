@@ -231,6 +231,50 @@ def test_a_user_s_error_that_speaks_of_a_connection_reset_is_not_another_rank_s_
     assert is_collective_failure(torch.distributed.DistNetworkError("Connection reset by peer"))
 
 
+ENV_RENDEZVOUS = {"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "23456"}
+
+
+@pytest.mark.parametrize("variables, facts", [
+    (ENV_RENDEZVOUS, (1, 3, 0, 1)),  # a PyTorchJob's pod: one process on its host
+    ({**ENV_RENDEZVOUS, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3"}, (1, 3, 1, 3)),  # by hand, three on one host
+    ({**ENV_RENDEZVOUS, "WORLD_SIZE": "1", "RANK": "0"}, None),  # one process: no job of several
+    ({k: v for k, v in ENV_RENDEZVOUS.items() if k != "MASTER_PORT"}, None),  # no rendezvous: left-over variables
+    ({**ENV_RENDEZVOUS, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3"}, None),  # mpirun's, with its own
+], ids=["pod", "by-hand", "one", "no-port", "under-mpirun"])
+def test_torch_s_env_rendezvous_without_a_launcher_is_a_job_of_the_torch_engine(variables, facts, monkeypatch):
+    """Processes started without a launcher but with torch's env:// variables (by hand, or one per pod of a
+    Kubernetes PyTorchJob) each trained alone, in one run directory; the torch engine now joins them."""
+    from hvdtrain.engine import _refuse_a_mismatch, launcher_rank
+    from hvdtrain.engine.environment import env_rendezvous_launched
+    from hvdtrain.errors import UserError
+
+    _launched_with(variables, monkeypatch)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if name not in variables:
+            monkeypatch.delenv(name, raising=False)
+    assert env_rendezvous_launched() == (facts is not None)
+    if facts is not None:
+        assert launcher_facts() == facts and launcher_rank() == 1
+        with pytest.raises(UserError, match="is torch's env:// rendezvous, which the Horovod engine cannot join"):
+            _refuse_a_mismatch("horovod")
+
+
+def test_a_survivor_says_why_it_ends_where_no_launcher_names_the_rank_that_left(monkeypatch, capsys):
+    """No launcher (torch's env:// by hand, a PyTorchJob's pods) says which rank left: rank 1, whose collective
+    broke off as rank 0 died, ended with status 76 and no word. Under a launcher it stays silent."""
+    from hvdtrain.errors import ANOTHER_RANK_FAILED
+    from hvdtrain.train import failures
+
+    monkeypatch.setattr(failures, "_wait_for_the_launcher", lambda seconds: None)
+    for variables, said in ((ENV_RENDEZVOUS, True), ({**TORCHRUN_2, "RANK": "1"}, False)):
+        _launched_with(variables, monkeypatch)
+        with pytest.raises(SystemExit) as leaving:
+            failures.leave_after_another_rank(RuntimeError("Connection reset by peer"), 1, debug=False)
+        assert leaving.value.code == ANOTHER_RANK_FAILED
+        err = capsys.readouterr().err
+        assert err.startswith("hvdtrain: rank 1: the job stopped") if said else err == "", err
+
+
 def _launched_with(variables: dict[str, str], monkeypatch) -> None:
     """This process's environment as a launcher that sets only `variables` would leave it."""
     for name in [*os.environ]:

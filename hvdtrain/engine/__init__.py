@@ -20,8 +20,8 @@ import torch
 from hvdtrain import startup_gc
 from hvdtrain.engine import host_memory
 from hvdtrain.engine.base import Engine, GradientSync, RankFailed
-from hvdtrain.engine.environment import (available_cores, environment_rank, launcher_facts, plain_srun_rank,
-                                         threads_per_process, torchrun_launched)
+from hvdtrain.engine.environment import (available_cores, env_rendezvous_launched, environment_rank, launcher_facts,
+                                         plain_srun_rank, threads_per_process, torchrun_launched)
 from hvdtrain.engine.local import LocalEngine
 from hvdtrain.errors import AnotherRankFailed, StoppedBySignal, UserError
 
@@ -62,7 +62,7 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
     _refuse_a_mismatch(kind)
     plain_srun = plain_srun_rank() is not None
     # dist: Slurm's own variables are all that plain srun gives; the torch engine reads them.
-    if kind == "torch" or (kind == "auto" and (torchrun_launched() or plain_srun)):
+    if kind == "torch" or (kind == "auto" and (torchrun_launched() or plain_srun or env_rendezvous_launched())):
         return _start(TorchEngine, device, threads, stall_timeout)
     if kind == "horovod" or (kind == "auto" and launcher_rank() is not None):
         from hvdtrain.engine.horovod import HorovodEngine  # imports horovod.torch
@@ -91,6 +91,10 @@ def _refuse_a_mismatch(kind: str) -> None:
     if kind == "horovod" and torchrun_launched() and size > 1:
         raise UserError(f"torchrun started {size} processes, which the Horovod engine cannot join: --engine torch "
                         "(or leave --engine out), or start them with horovodrun or mpirun")
+    if kind == "horovod" and env_rendezvous_launched():
+        raise UserError(f"WORLD_SIZE={size} with MASTER_ADDR and MASTER_PORT is torch's env:// rendezvous, which the "
+                        "Horovod engine cannot join: --engine torch (or leave --engine out), or start the processes "
+                        "with horovodrun or mpirun")
     if kind == "horovod" and plain_srun_rank() is not None:
         raise UserError(f"srun started {os.environ['SLURM_STEP_NUM_TASKS']} tasks without an MPI plugin, which the "
                         "Horovod engine needs: srun --mpi=pmix (as launch/slurm.sbatch does), or --engine torch")

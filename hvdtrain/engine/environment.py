@@ -3,6 +3,7 @@ from horovodrun, mpirun (Open MPI), PMI/PMIx, torchrun and Slurm's srun; local r
 per-node task lists); the step's first node and a port per job; the cores this process may use.
 
     torchrun   RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE (and TORCHELASTIC_RUN_ID)
+    env://     RANK WORLD_SIZE MASTER_ADDR MASTER_PORT, no launcher (by hand; a PyTorchJob's pods)
     mpirun     OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}
     horovodrun HOROVOD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE} (with --gloo, nothing of MPI's)
     srun       SLURM_PROCID SLURM_STEP_NUM_TASKS SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE; PMI_RANK/PMIX_RANK with --mpi
@@ -36,6 +37,18 @@ def torchrun_launched() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+# torch's env:// rendezvous, as a process started without a launcher gets it: by hand, or one per pod
+# of a Kubernetes PyTorchJob, which sets these four (and no LOCAL_RANK: one process per pod).
+ENV_RENDEZVOUS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def env_rendezvous_launched() -> bool:
+    """Started without a launcher, with torch's env:// variables for a job of several processes."""
+    if torchrun_launched() or mpi_rank() is not None or plain_srun_rank() is not None:
+        return False
+    return all(name in os.environ for name in ENV_RENDEZVOUS) and os.environ["WORLD_SIZE"].strip() not in ("", "1")
+
+
 def torchrun_restarts() -> int:
     """How many times torchrun (--max-restarts) has started this job's workers again; 0 on the first start."""
     count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if torchrun_launched() else "0"
@@ -52,8 +65,8 @@ def launcher_ends_the_job_on_a_failure() -> bool:
 
 def environment_rank() -> int | None:
     """This process's rank as its launcher set it, or None when no launcher started it."""
-    if torchrun_launched() and TORCHRUN[0] in os.environ:
-        return int(os.environ[TORCHRUN[0]])
+    if (torchrun_launched() and TORCHRUN[0] in os.environ) or env_rendezvous_launched():
+        return _number(TORCHRUN[0])
     mpi = mpi_rank()
     return mpi if mpi is not None else plain_srun_rank()
 
@@ -84,6 +97,8 @@ def launcher_facts() -> tuple[int, int, int, int] | None:
     for names in _LAUNCHER_VARIABLES:
         if all(name in os.environ for name in names[:2]):
             rank, size = _number(names[0]), _number(names[1])
+            if names is TORCHRUN and names[2] not in os.environ and env_rendezvous_launched():
+                return rank, size, 0, 1  # dist: no LOCAL_RANK: the one process on its host (a pod's)
             local_rank = _number(names[2]) if names[2] in os.environ else rank
             given = _number(names[3]) if names[3] in os.environ else None
             if names is SLURM:  # dist: SLURM_NTASKS_PER_NODE is the allocation's (srun -n 2 in
