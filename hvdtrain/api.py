@@ -77,7 +77,7 @@ def fit_from(make_config: Callable[[], Config], on_failure: Callable[[Exception]
         with running_engine(on_failure, kind=cfg.train.engine, device=cfg.train.device, threads=cfg.train.threads,
                             stall_timeout=cfg.train.stall_timeout, keep_freed_memory=cfg.train.keep_freed_memory,
                             timeline=cfg.run.horovod_timeline,
-                            process_goes_on=not early_signals.in_the_command()) as started:
+                            process_goes_on=not early_signals.in_the_command(), env_rendezvous=True) as started:
             if started.is_root:  # dist: one line, from rank 0
                 for warning in cfg.warnings():
                     say(f"hvdtrain: warning: {warning}")

@@ -39,6 +39,8 @@ def python_under(launcher: str) -> list[str]:
 
 def launch_env(pythonpath: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # torch's env:// rendezvous, where the tests run in a PyTorchJob's pod: fit would join it
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = pythonpath or f"{ROOT}{os.pathsep}{ROOT / 'tests'}"
     # OpenMPI refuses root without these; containers and CI run as root.

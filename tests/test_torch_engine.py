@@ -99,7 +99,8 @@ def test_a_launcher_s_variable_that_is_no_number_is_one_line(monkeypatch):
 
 
 def test_torchrun_s_variables_come_first(monkeypatch):
-    for name, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+    for name, value in {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                        "LOCAL_WORLD_SIZE": "2",
                         "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", **SLURM}.items():
         monkeypatch.setenv(name, value)
     assert launcher_facts() == (1, 4, 1, 2)
@@ -236,49 +237,50 @@ ENV_RENDEZVOUS = {"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "10.0.0.1", "MA
 
 @pytest.mark.parametrize("variables, facts", [
     (ENV_RENDEZVOUS, (1, 3, 0, 1)),  # a PyTorchJob's pod: one process on its host
-    ({**ENV_RENDEZVOUS, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3"}, (1, 3, 1, 3)),  # by hand, three on one host
+    ({**ENV_RENDEZVOUS, "MASTER_ADDR": "127.0.0.1"}, (1, 3, 1, 3)),  # by hand on one host: every rank here
+    ({**ENV_RENDEZVOUS, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, (1, 3, 1, 2)),  # as given
     ({**ENV_RENDEZVOUS, "WORLD_SIZE": "1", "RANK": "0"}, None),  # one process: no job of several
+    ({**ENV_RENDEZVOUS, "RANK": "3"}, None),  # no rank of three
+    ({**ENV_RENDEZVOUS, "RANK": ""}, None),  # RANK=$SLURM_PROCID outside a step
     ({k: v for k, v in ENV_RENDEZVOUS.items() if k != "MASTER_PORT"}, None),  # no rendezvous: left-over variables
-    ({**ENV_RENDEZVOUS, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3"}, None),  # mpirun's, with its own
-], ids=["pod", "by-hand", "one", "no-port", "under-mpirun"])
-def test_torch_s_env_rendezvous_without_a_launcher_is_a_job_of_the_torch_engine(variables, facts, monkeypatch):
+    ({**ENV_RENDEZVOUS, "TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "1"}, "torchrun"),  # torchrun's, with its agent
+    ({**ENV_RENDEZVOUS, "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4"}, "mpirun"),  # left over under mpirun
+    ({**ENV_RENDEZVOUS, **IN_A_STEP}, "srun"),  # left over under plain srun
+], ids=["pod", "by-hand", "local-given", "one", "rank-out-of-range", "rank-empty", "no-port", "torchrun", "mpirun",
+        "srun"])
+def test_torch_s_env_rendezvous_without_a_launcher_is_a_job_of_fit_s_torch_engine(variables, facts, monkeypatch):
     """Processes started without a launcher but with torch's env:// variables (by hand, or one per pod of a
-    Kubernetes PyTorchJob) each trained alone, in one run directory; the torch engine now joins them."""
-    from hvdtrain.engine import _refuse_a_mismatch, launcher_rank
+    Kubernetes PyTorchJob) each trained alone, in one run directory; fit's torch engine now joins them. The
+    variables left in the environment under a launcher are not read for its ranks."""
+    from hvdtrain.engine import LocalEngine, _refuse_a_mismatch, start_engine
     from hvdtrain.engine.environment import env_rendezvous_launched
     from hvdtrain.errors import UserError
 
     _launched_with(variables, monkeypatch)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        if name not in variables:
-            monkeypatch.delenv(name, raising=False)
-    assert env_rendezvous_launched() == (facts is not None)
-    if facts is not None:
-        assert launcher_facts() == facts and launcher_rank() == 1
+    assert env_rendezvous_launched() == isinstance(facts, tuple)
+    if facts == "torchrun":
+        assert launcher_facts() == (1, 3, 1, 3)
+    elif facts == "mpirun":
+        assert launcher_facts() == (2, 4, 2, 4)
+    elif facts == "srun":
+        assert launcher_facts()[:2] == (1, 4)
+    elif facts is not None:
+        assert launcher_facts() == facts
         with pytest.raises(UserError, match="is torch's env:// rendezvous, which the Horovod engine cannot join"):
             _refuse_a_mismatch("horovod")
+        with pytest.raises(UserError, match=r"--engine local trains in one process alone, but RANK, WORLD_SIZE=3"):
+            _refuse_a_mismatch("local")
+        # not fit (evaluate in a shell of the pod, say): alone, not a rank of the job under way
+        assert isinstance(start_engine(device="cpu", keep_freed_memory=False), LocalEngine)
 
 
-def test_a_survivor_says_why_it_ends_where_no_launcher_names_the_rank_that_left(monkeypatch, capsys):
-    """No launcher (torch's env:// by hand, a PyTorchJob's pods) says which rank left: rank 1, whose collective
-    broke off as rank 0 died, ended with status 76 and no word. Under a launcher it stays silent."""
-    from hvdtrain.errors import ANOTHER_RANK_FAILED
-    from hvdtrain.train import failures
-
-    monkeypatch.setattr(failures, "_wait_for_the_launcher", lambda seconds: None)
-    for variables, said in ((ENV_RENDEZVOUS, True), ({**TORCHRUN_2, "RANK": "1"}, False)):
-        _launched_with(variables, monkeypatch)
-        with pytest.raises(SystemExit) as leaving:
-            failures.leave_after_another_rank(RuntimeError("Connection reset by peer"), 1, debug=False)
-        assert leaving.value.code == ANOTHER_RANK_FAILED
-        err = capsys.readouterr().err
-        assert err.startswith("hvdtrain: rank 1: the job stopped") if said else err == "", err
+TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _launched_with(variables: dict[str, str], monkeypatch) -> None:
     """This process's environment as a launcher that sets only `variables` would leave it."""
     for name in [*os.environ]:
-        if name.startswith(("SLURM_", "OMPI_", "PMI", "HOROVOD_", "TORCHELASTIC_")):
+        if name.startswith(("SLURM_", "OMPI_", "PMI", "HOROVOD_", "TORCHELASTIC_")) or name in TORCH_VARIABLES:
             monkeypatch.delenv(name)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)

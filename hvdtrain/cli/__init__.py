@@ -155,8 +155,6 @@ def _rank_without_imports() -> int | None:
     names = ["HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]  # as engine.environment reads them
     if "TORCHELASTIC_RUN_ID" in os.environ:  # RANK means torchrun's only under torchrun
         names.insert(0, "RANK")
-    elif all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        names.append("RANK")  # torch's env:// rendezvous without a launcher
     if int(os.environ.get("SLURM_STEP_NUM_TASKS", "0") or 0) > 1:  # a step of several tasks, not a batch script
         names.append("SLURM_PROCID")
     for name in names:

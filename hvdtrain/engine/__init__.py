@@ -46,14 +46,16 @@ def launcher_rank() -> int | None:
 
 
 def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, stall_timeout: int = 300,
-                 keep_freed_memory: bool = True, timeline: bool = False, process_goes_on: bool = True) -> Engine:
+                 keep_freed_memory: bool = True, timeline: bool = False, process_goes_on: bool = True,
+                 env_rendezvous: bool = False) -> Engine:
     """Starts torch.distributed under torchrun, Horovod when another launcher started us (or
     when asked), else a local engine.
 
     dist: sets this process's device (cuda:<local rank>) and thread count (cores
     divided among the processes on this host) before any tensor work. `process_goes_on`: the
     process may start an engine again after this one; False for the `hvdtrain` command's own
-    process, which ends with its command.
+    process, which ends with its command. `env_rendezvous`: torch's env:// variables without a launcher
+    make a job of the torch engine (fit's; other commands run alone).
     """
     if keep_freed_memory:
         host_memory.keep_freed_memory()
@@ -62,7 +64,8 @@ def start_engine(kind: str = "auto", device: str = "auto", threads: int = 0, sta
     _refuse_a_mismatch(kind)
     plain_srun = plain_srun_rank() is not None
     # dist: Slurm's own variables are all that plain srun gives; the torch engine reads them.
-    if kind == "torch" or (kind == "auto" and (torchrun_launched() or plain_srun or env_rendezvous_launched())):
+    env_job = env_rendezvous and env_rendezvous_launched()
+    if kind == "torch" or (kind == "auto" and (torchrun_launched() or plain_srun or env_job)):
         return _start(TorchEngine, device, threads, stall_timeout)
     if kind == "horovod" or (kind == "auto" and launcher_rank() is not None):
         from hvdtrain.engine.horovod import HorovodEngine  # imports horovod.torch
@@ -81,6 +84,10 @@ def _refuse_a_mismatch(kind: str) -> None:
         return
     facts = launcher_facts()
     size = facts[1] if facts else 1
+    if kind == "local" and env_rendezvous_launched():
+        raise UserError(f"--engine local trains in one process alone, but RANK, WORLD_SIZE={size}, MASTER_ADDR and "
+                        "MASTER_PORT (torch's env:// rendezvous) make this one of a job: leave --engine out, or "
+                        "unset them to train alone")
     if kind == "local" and size > 1:
         raise UserError(f"--engine local trains in one process alone, but {size} were started: leave --engine out "
                         "to train them as one job, or start one process")

@@ -43,10 +43,15 @@ ENV_RENDEZVOUS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def env_rendezvous_launched() -> bool:
-    """Started without a launcher, with torch's env:// variables for a job of several processes."""
+    """Started without a launcher, with torch's env:// variables for a job of several processes (a rank in
+    range of a world size above 1). Only `fit` joins such a job: the other commands run alone (a shell in
+    a PyTorchJob's pod has the variables too)."""
     if torchrun_launched() or mpi_rank() is not None or plain_srun_rank() is not None:
         return False
-    return all(name in os.environ for name in ENV_RENDEZVOUS) and os.environ["WORLD_SIZE"].strip() not in ("", "1")
+    if not all(os.environ.get(name, "").strip() for name in ENV_RENDEZVOUS):
+        return False
+    rank, size = os.environ["RANK"].strip(), os.environ["WORLD_SIZE"].strip()
+    return rank.isdigit() and size.isdigit() and int(size) > 1 and int(rank) < int(size)
 
 
 def torchrun_restarts() -> int:
@@ -65,8 +70,8 @@ def launcher_ends_the_job_on_a_failure() -> bool:
 
 def environment_rank() -> int | None:
     """This process's rank as its launcher set it, or None when no launcher started it."""
-    if (torchrun_launched() and TORCHRUN[0] in os.environ) or env_rendezvous_launched():
-        return _number(TORCHRUN[0])
+    if torchrun_launched() and TORCHRUN[0] in os.environ:
+        return int(os.environ[TORCHRUN[0]])
     mpi = mpi_rank()
     return mpi if mpi is not None else plain_srun_rank()
 
@@ -95,10 +100,16 @@ def plain_srun_rank() -> int | None:
 def launcher_facts() -> tuple[int, int, int, int] | None:
     """(rank, size, local rank, local size) from the launcher's environment; None without one."""
     for names in _LAUNCHER_VARIABLES:
+        if names is TORCHRUN and not (torchrun_launched() or env_rendezvous_launched()):
+            continue  # RANK and WORLD_SIZE left in the environment, under another launcher
         if all(name in os.environ for name in names[:2]):
             rank, size = _number(names[0]), _number(names[1])
             if names is TORCHRUN and names[2] not in os.environ and env_rendezvous_launched():
-                return rank, size, 0, 1  # dist: no LOCAL_RANK: the one process on its host (a pod's)
+                # dist: without LOCAL_RANK, every process on this host where rank 0 is at a loopback address,
+                # else the one process on its host (a PyTorchJob's pod)
+                loopback = os.environ["MASTER_ADDR"].strip() in ("localhost", "::1") or \
+                    os.environ["MASTER_ADDR"].strip().startswith("127.")
+                return (rank, size, rank, size) if loopback else (rank, size, 0, 1)
             local_rank = _number(names[2]) if names[2] in os.environ else rank
             given = _number(names[3]) if names[3] in os.environ else None
             if names is SLURM:  # dist: SLURM_NTASKS_PER_NODE is the allocation's (srun -n 2 in

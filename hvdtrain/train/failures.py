@@ -15,7 +15,6 @@ from typing import NoReturn
 
 from hvdtrain.data.loading import batching_hint
 from hvdtrain.engine import Engine, RankFailed
-from hvdtrain.engine.environment import launcher_ends_the_job_on_a_failure
 from hvdtrain.errors import (ANOTHER_RANK_FAILED, AnotherRankFailed, FailedAt, StoppedBySignal, UserError,
                              message_lines, note_where_the_job_stood, where, worker_traceback)
 from hvdtrain.train.callbacks import StoppedEarly
@@ -72,8 +71,6 @@ def leave_after_another_rank(err: Exception, rank: int, debug: bool) -> NoReturn
         traceback.print_exc()
     if rank == 0:  # dist: one note, from the rank that holds the run directory
         print(f"hvdtrain: {AnotherRankFailed.of(err)}", file=sys.stderr, flush=True)
-    elif not launcher_ends_the_job_on_a_failure():  # no launcher names the rank that left: each says why it ends
-        print(f"hvdtrain: rank {rank}: {AnotherRankFailed.of(err)}", file=sys.stderr, flush=True)
     _wait_for_the_launcher(SURVIVOR_WAIT_SECONDS)
     sys.exit(ANOTHER_RANK_FAILED)
 
