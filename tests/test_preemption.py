@@ -196,8 +196,17 @@ def test_a_stop_during_horovodrun_s_probe_for_mpi_ends_it_and_nothing_trains(tmp
     signal's default would."""
     import psutil
 
+    # The probe lasts milliseconds, which a loaded host's polling missed: a stand-in mpirun first on PATH
+    # makes it last 3 s (and runs the real one for the probe and for the job alike).
+    env = launch_env()
+    real = shutil.which("mpirun", path=env["PATH"])
+    stand_in = tmp_path / "bin" / "mpirun"
+    stand_in.parent.mkdir()
+    stand_in.write_text(f'#!/bin/sh\ncase "$*" in *--version*) sleep 3;; esac\nexec {real} "$@"\n')
+    stand_in.chmod(0o755)
+    env["PATH"] = f"{stand_in.parent}{os.pathsep}{env['PATH']}"
     job = subprocess.Popen([*LAUNCHERS["horovodrun-mpi"], "hvdtrain", "fit", *ARGS, "--run-dir",
-                            str(tmp_path / "run")], env=launch_env(), stdout=subprocess.PIPE,
+                            str(tmp_path / "run")], env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     launcher, deadline, probing = psutil.Process(job.pid), time.monotonic() + 60, False
     while not probing and time.monotonic() < deadline and job.poll() is None:
