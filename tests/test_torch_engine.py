@@ -277,6 +277,23 @@ def test_torch_s_env_rendezvous_without_a_launcher_is_a_job_of_fit_s_torch_engin
 TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def test_a_survivor_says_why_it_ends_where_no_launcher_names_the_rank_that_left(monkeypatch, capsys):
+    """Without a launcher (torch's env://, a PyTorchJob's pods) rank 1, whose collective broke off as rank 0
+    died, ended with status 76 and no word in its log. Under torchrun or srun it stays silent: the launcher
+    names the failed rank, or one log holds rank 0's note."""
+    from hvdtrain.errors import ANOTHER_RANK_FAILED
+    from hvdtrain.train import failures
+
+    monkeypatch.setattr(failures, "_wait_for_the_launcher", lambda seconds: None)
+    for variables, said in ((ENV_RENDEZVOUS, True), ({**TORCHRUN_2, "RANK": "1"}, False), (IN_A_STEP, False)):
+        _launched_with(variables, monkeypatch)
+        with pytest.raises(SystemExit) as leaving:
+            failures.leave_after_another_rank(RuntimeError("Connection closed by peer"), 1, debug=False)
+        assert leaving.value.code == ANOTHER_RANK_FAILED
+        err = capsys.readouterr().err
+        assert err.startswith("hvdtrain: rank 1: the job stopped") if said else err == "", (variables, err)
+
+
 def _launched_with(variables: dict[str, str], monkeypatch) -> None:
     """This process's environment as a launcher that sets only `variables` would leave it."""
     for name in [*os.environ]:

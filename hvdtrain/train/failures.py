@@ -15,6 +15,7 @@ from typing import NoReturn
 
 from hvdtrain.data.loading import batching_hint
 from hvdtrain.engine import Engine, RankFailed
+from hvdtrain.engine.environment import env_rendezvous_launched
 from hvdtrain.errors import (ANOTHER_RANK_FAILED, AnotherRankFailed, FailedAt, StoppedBySignal, UserError,
                              message_lines, note_where_the_job_stood, where, worker_traceback)
 from hvdtrain.train.callbacks import StoppedEarly
@@ -71,6 +72,8 @@ def leave_after_another_rank(err: Exception, rank: int, debug: bool) -> NoReturn
         traceback.print_exc()
     if rank == 0:  # dist: one note, from the rank that holds the run directory
         print(f"hvdtrain: {AnotherRankFailed.of(err)}", file=sys.stderr, flush=True)
+    elif env_rendezvous_launched():  # no launcher names the rank that left, and each rank's log is its own (a pod's)
+        print(f"hvdtrain: rank {rank}: {AnotherRankFailed.of(err)}", file=sys.stderr, flush=True)
     _wait_for_the_launcher(SURVIVOR_WAIT_SECONDS)
     sys.exit(ANOTHER_RANK_FAILED)
 
