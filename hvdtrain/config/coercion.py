@@ -22,13 +22,18 @@ OTHER_TOOLS_NAMES = {
 }
 
 
+def homes_of(name: str, homes: dict[str, list[str]]) -> list[str]:
+    """The full names of key `name`, or of ours for another tool's name (`learning_rate`: `optim.lr`)."""
+    return homes.get(name) or homes.get(OTHER_TOOLS_NAMES.get(name, ""), [])
+
+
 def merge_overrides(raw: dict[str, Any], overrides: dict[str, Any],
                     homes: dict[str, list[str]] | None = None) -> dict[str, Any]:
     merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     for dotted, value in overrides.items():
         section, _, key = dotted.partition(".")
         if not key:
-            full = (homes or {}).get(OTHER_TOOLS_NAMES.get(dotted, dotted), [])
+            full = homes_of(dotted, homes or {})
             example = f"did you mean '{full[0]}'?" if len(full) == 1 else "e.g. data.batch_size"
             raise UserError(f"override '{dotted}' must be section.key, {example}")
         target = merged.setdefault(section, {})
@@ -47,7 +52,7 @@ def reject_unknown(values: dict[str, Any], known: Any, prefix: str, homes: dict[
 def unknown_key_hint(key: str, known: Any, prefix: str, homes: dict[str, list[str]]) -> str:
     """Where the key is in another section (or under another tool's name), else the closest key here,
     else the closest anywhere, else every key here."""
-    elsewhere = homes.get(key) or homes.get(OTHER_TOOLS_NAMES.get(key, ""))
+    elsewhere = homes_of(key, homes)
     if not elsewhere:
         close = difflib.get_close_matches(key, list(known), n=1)
         if close:

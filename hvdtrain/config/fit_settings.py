@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hvdtrain.config.coercion import OTHER_TOOLS_NAMES
+from hvdtrain.config.coercion import OTHER_TOOLS_NAMES, homes_of
 from hvdtrain.config.loading import load_config
 from hvdtrain.config.schema import Config, key_homes, section_types_of_config
 from hvdtrain.errors import UserError
@@ -120,7 +120,7 @@ _BY_NAME = {setting.name: setting for setting in FIT}
 def _setting_hint(name: str) -> str:
     """The setting meant (other tools' name for it, or a misspelling), or the config key to override."""
     ours = OTHER_TOOLS_NAMES.get(name, name)
-    homes = key_homes().get(ours, [])
+    homes = homes_of(name, key_homes())
     by_key = {key: setting for setting, key in FIT_SETTINGS.items()}
     close = ([ours] if ours in FIT_SETTINGS else [by_key[homes[0]]] if len(homes) == 1 and homes[0] in by_key
              else difflib.get_close_matches(name, list(FIT_SETTINGS), n=1, cutoff=0.85))

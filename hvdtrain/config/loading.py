@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from hvdtrain.config.coercion import OTHER_TOOLS_NAMES
+from hvdtrain.config.coercion import homes_of
 from hvdtrain.config.schema import Config, key_homes, section_types_of_config
 from hvdtrain.errors import UserError
 
@@ -92,7 +92,7 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     """`section.key=value` from --set; the value is read as YAML (so 3, 0.1, true, null work)."""
     key, sep, value = text.partition("=")
     if not sep or "." not in key:
-        homes = key_homes().get(OTHER_TOOLS_NAMES.get(key.strip(), key.strip()), [])
+        homes = homes_of(key.strip(), key_homes())
         if sep and len(homes) == 1:  # the section left out: `--set batch_size=64`
             raise UserError(f"--set expects section.key=value: did you mean --set {homes[0]}={value}?")
         raise UserError(f"--set expects section.key=value (for example data.batch_size=32), got '{text}'")
