@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -15,8 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import hvdtrain
 from conftest import epoch_records, launch_env
 from hvdtrain.cli import main
+from hvdtrain.errors import UserError
 
 
 def snapshot(directory: Path) -> dict[str, str]:
@@ -210,6 +213,24 @@ def test_resume_without_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--engine", "local", "--run-dir", str(tmp_path), "--resume"])
     assert "nothing to resume in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["run", "checkpoint"])
+def test_resume_given_a_path_names_the_run_directory_meant(existing_run, given, capsys):
+    """Other tools' habit (`--resume runs/a`, `--resume last.ckpt`): one line naming the flags for that run."""
+    path = existing_run if given == "run" else existing_run / "checkpoints" / "epoch-0001.pt"
+    before = snapshot(existing_run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--engine", "local", "--epochs", "2", "--resume", str(path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err and snapshot(existing_run) == before
+    assert err.strip() == ("hvdtrain: error: --resume takes no value, always or auto, not a path: it continues from "
+                           f"the newest intact checkpoint of the run directory; for this one: --run-dir {existing_run} "
+                           "--resume"), err
+    with pytest.raises(UserError, match=re.escape(f"for this one: run_dir='{existing_run}', resume=True")):
+        hvdtrain.fit(engine="local", resume=str(path))
+    with pytest.raises(UserError, match="^resume takes True, 'always' or 'auto', got 'alwyas'$"):
+        hvdtrain.fit(engine="local", resume="alwyas")
 
 
 def resume_refused(run_dir: Path, capsys, *args: str) -> str:

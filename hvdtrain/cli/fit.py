@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal, Sequence
 import click
 
 from hvdtrain.cli.common import UserPath, command_engine, is_rank_0, report, report_and_exit
-from hvdtrain.config import FIT, FitSetting, parse_assignment, settings_config
+from hvdtrain.config import FIT, FitSetting, not_a_choice, parse_assignment, settings_config
 from hvdtrain.errors import UserError
 
 
@@ -43,7 +43,7 @@ def _setting_option(setting: FitSetting) -> Callable[..., Any]:
         return click.option(setting.flag, multiple=True, **kwargs)
     kwargs["default"] = None
     if setting.alone is not None:
-        kwargs.update(is_flag=False, flag_value=setting.alone, type=click.Choice(list(setting.choices)))
+        kwargs.update(is_flag=False, flag_value=setting.alone, type=_Words(setting))
     elif annotation is bool:
         if default:
             return click.option(f"{setting.flag}/--no-{setting.flag[2:]}", **kwargs)
@@ -53,6 +53,20 @@ def _setting_option(setting: FitSetting) -> Callable[..., Any]:
     elif annotation in (int, float):
         kwargs["type"] = annotation
     return click.option(setting.flag, **kwargs)
+
+
+class _Words(click.Choice):
+    """The few words of a flag that may also stand alone (`--resume`, `--resume auto`); another value is
+    one line saying what it takes, and for a path (another tool's habit), the run meant."""
+
+    def __init__(self, setting: FitSetting) -> None:
+        super().__init__(list(setting.choices))
+        self.setting = setting
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value in self.choices:
+            return value
+        raise UserError(not_a_choice(self.setting, str(value), flag=True))
 
 
 @click.command()
