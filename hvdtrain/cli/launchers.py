@@ -78,7 +78,8 @@ def horovodrun() -> None:
 
 class _GlooWorkers:
     """Horovod's Gloo launcher, watched: every worker's (exit code, time), which it collects but reports
-    only the first to exit of; the workers' stderr, less a peer's report that another went away."""
+    only the first to exit of; the workers' stderr, less a peer's report that another went away and
+    the shells' word of the workers it ended."""
 
     def __init__(self, gloo_run) -> None:
         from horovod.runner.util import threads
@@ -108,6 +109,10 @@ class _GlooWorkers:
         return results
 
 
+HOROVOD_EXIT_REPORT = re.compile(r"Process \d+ exit with status code -?\d+\.|Terminating remaining workers after "
+                                 r"failure of Process \d+\.")
+
+
 class _StoppedIsNoFailure:
     """Horovod's Gloo launcher runs each worker's command through this (`safe_shell_exec.execute`): a
     worker that stopped on a signal (75) is no failure to it. Horovod would say "Terminating remaining
@@ -131,6 +136,13 @@ class _StoppedIsNoFailure:
             return exec_command_fn(settings)
 
         gloo_run._exec_command_fn = watched
+        gloo_run.print = self.print
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Horovod's prints, less its report of each worker's exit ("Process 1 exit with status code 143.",
+        which read as a second failure for a worker it ended itself): the entry's one line says which failed."""
+        if self.elastic or not (len(args) == 1 and HOROVOD_EXIT_REPORT.fullmatch(str(args[0]))):
+            print(*args, **kwargs)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.shell, name)
@@ -157,15 +169,20 @@ class _StoppedIsNoFailure:
 class _PeerGoneHeldBack:
     """A text stream that holds back the line Horovod's background thread prints when a peer went away
     (an error, with Horovod's and Gloo's build paths, from a rank that did not fail): the failed
-    worker's own end explains it. `release` says it after all where no worker failed of itself."""
+    worker's own end explains it. `release` says it after all where no worker failed of itself. A
+    worker's shell saying it was ended ("Terminated") is dropped: the entry's line says so."""
 
     PEER_GONE = re.compile(r"Horovod background loop uncaught exception: .*(reset by peer|closed by peer|Read error"
                            r"|Broken pipe)")
+    # A worker's shell saying that Horovod ended it, after another failed (or ended late after a stop).
+    ENDED_BY_LAUNCHER = re.compile(r".*\[\d+\]<stderr>:(Terminated|Killed)\s*")
 
     def __init__(self, stream) -> None:
         self.stream, self.held = stream, []
 
     def write(self, text: str) -> int:
+        if self.ENDED_BY_LAUNCHER.fullmatch(text):
+            return len(text)
         if self.PEER_GONE.search(text):
             self.held.append(text)
             return len(text)
