@@ -257,6 +257,47 @@ def test_a_peer_s_report_that_another_went_away_waits_for_the_failed_worker_s_ow
     assert stream.getvalue() == "[0]<stderr>:hvdtrain: rank 0/2\n" + peer_gone
 
 
+RULE = "-" * 74 + "\n"
+ABORTED = RULE + "Primary job  terminated normally, but 1 process returned\na non-zero exit code. Per user-direction, " \
+                 "the job has been aborted.\n" + RULE
+EXITED = RULE + "mpirun detected that one or more processes exited with non-zero status, thus causing\nthe job to " \
+                "be terminated. The first process to do so was:\n\n  Process name: [[29084,1],{rank}]\n  Exit code:    " \
+                "{code}\n" + RULE
+SIGNALLED = RULE + "mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 9 (Killed).\n" + RULE
+SLOTS = RULE + "There are not enough slots available in the system to satisfy the 3\nslots that were requested.\n" + RULE
+
+
+@pytest.mark.parametrize("mpirun_said, said", [
+    (ABORTED + EXITED.format(rank=0, code=2), "horovodrun: worker 0 exited with status 2; the other workers were stopped\n"),
+    (ABORTED + SIGNALLED, "horovodrun: worker 1 was killed by SIGKILL (exit status 137); the other workers were stopped\n"),
+    (ABORTED + EXITED.format(rank=1, code=75), ""),  # a clean stop on a signal, with its checkpoint
+    (SLOTS, SLOTS),  # Open MPI's other help texts say what to change
+])
+def test_horovodrun_says_open_mpi_s_report_of_a_failed_job_in_one_line(mpirun_said, said):
+    """Open MPI boxed how the job ended in eleven lines, "aborted" after a stop with a checkpoint too. A
+    rank's line inside a box, and a line in progress (a progress bar's), come out as they come."""
+    import io
+
+    from hvdtrain.cli.mpirun_report import MpirunReport
+
+    read, write = os.pipe()
+    out = io.StringIO()
+    report = MpirunReport(os.fdopen(read, "rb"), out)
+    os.write(write, b"[1,0]<stderr>:hvdtrain: rank 0/2\n[1,0]<stderr>:epoch 1: 50%\r")
+    deadline = time.monotonic() + 10
+    while "50%" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert out.getvalue() == "[1,0]<stderr>:hvdtrain: rank 0/2\n[1,0]<stderr>:epoch 1: 50%\r"
+    box = mpirun_said.encode()
+    inside = box.index(b"\n", len(RULE)) + 1  # after the box's first line of text
+    os.write(write, box[:inside])
+    os.write(write, b"[1,1]<stderr>:a rank's line\n" + box[inside:])
+    os.close(write)
+    report.finish()
+    assert out.getvalue() == "[1,0]<stderr>:hvdtrain: rank 0/2\n[1,0]<stderr>:epoch 1: 50%\r[1,1]<stderr>:a rank's line\n" \
+        + said
+
+
 def test_the_compiler_wrapper_builds_horovod_s_code_as_cxx17_with_the_headers_it_leaves_out(tmp_path):
     # Horovod pins -std=c++14 and uses std::string without <string>; torch's headers need C++17.
     source = tmp_path / "group_table.cc"

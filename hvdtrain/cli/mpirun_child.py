@@ -13,6 +13,7 @@ import sys
 from typing import Callable
 
 from hvdtrain.cli import forwarding
+from hvdtrain.cli.mpirun_report import MpirunReport
 
 PR_SET_PDEATHSIG = 1  # Linux's prctl option: a signal to this process when its parent dies
 
@@ -27,7 +28,8 @@ class MpirunAsChild:
     Given the SIGINT too, mpirun sent the ranks SIGTERM a second later and SIGKILL a second after that
     (Open MPI's odls_base_sigkill_timeout), killing them in the checkpoint of the stop. What ended the
     job before still does: a hang-up (the terminal closed) is passed to mpirun, and mpirun gets one too
-    when this entry dies (kill -9 of the job, `timeout -k`), which ends its ranks."""
+    when this entry dies (kill -9 of the job, `timeout -k`), which ends its ranks. Its stderr passes
+    through this entry, which says Open MPI's report of the job's end in one line (`MpirunReport`)."""
 
     def __getattr__(self, name: str) -> object:
         return getattr(os, name)
@@ -47,8 +49,11 @@ class MpirunAsChild:
         if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # nohup's jobs outlive the terminal
             signal.signal(signal.SIGHUP, pass_hang_up)
         forwarding.launch_begins()  # the job itself, after Horovod's probes
-        mpirun = subprocess.Popen(args, executable=path, env=env, preexec_fn=_alone_and_ends_with(os.getpid()))
+        mpirun = subprocess.Popen(args, executable=path, env=env, preexec_fn=_alone_and_ends_with(os.getpid()),
+                                  stderr=subprocess.PIPE)
+        report = MpirunReport(mpirun.stderr, sys.stderr)
         code = mpirun.wait()  # stop signals meanwhile: forward_to_ranks
+        report.finish()
         sys.exit(code if code >= 0 else 128 - code)
 
 
