@@ -48,9 +48,11 @@ def files(tmp_path_factory) -> dict[str, str]:
     (folder / "wrong_type.yaml").write_text("data:\n  batch_size: lots\n")
     (folder / "unknown_key.yaml").write_text("train:\n  epohcs: 3\n")
     (folder / "table.csv").write_text("a,b,label\n1,2,0\n3,4,1\n")
+    torch.save((torch.zeros(8, 2), torch.zeros(8, dtype=torch.long)), folder / "saved.pt")
+    np.save(folder / "one_array.npy", np.zeros((8, 2)))
     return {name: str(folder / f"{name}.{ext}") for name, ext in [
         ("no_x", "npz"), ("negative", "npz"), ("float_y", "npz"), ("nan_x", "npz"), ("wrong_type", "yaml"),
-        ("unknown_key", "yaml"), ("table", "csv")]}
+        ("unknown_key", "yaml"), ("table", "csv"), ("saved", "pt"), ("one_array", "npy")]}
 
 
 CASES = {
@@ -62,6 +64,10 @@ CASES = {
                    "SparseAdam, which takes sparse gradients only, and gradients are allreduced dense"),
     "a table": (["--data", "{table}"], "a table (.csv) needs a data factory of yours that reads its columns into a "
                                       "Dataset (--data mymodule:data)"),
+    "a file of torch.save": (["--data", "{saved}"], "a saved object (.pt) needs a data factory of yours that loads it "
+                                                   "into a Dataset (TensorDataset(x, y), --data mymodule:data)"),
+    "one .npy file": (["--data", "{one_array}"], "an .npy file holds one array: save the inputs as x.npy and the "
+                                                 "targets as y.npy in one directory"),
     "factory does not import": (["--data", "nowhere.module:make"], "module 'nowhere' not found"),
     "factory attribute missing": (["--model", "user_code:absent"], "has no attribute 'absent'"),
     "unknown config key": (["--set", "train.epohcs=3"], "config key 'train.epohcs' does not exist: did you mean 'train.epochs'?"),

@@ -102,11 +102,22 @@ def _claimant(name: str) -> Source | None:
 _TABLES = (".csv", ".tsv", ".parquet", ".json", ".jsonl", ".feather", ".arrow", ".xlsx")
 
 
-def _table_hint(name: str) -> str:
-    if not name.lower().endswith(_TABLES):
-        return ""
-    return (f"; a table ({Path(name).suffix}) needs a data factory of yours that reads its columns into a "
-            "Dataset (--data mymodule:data), or its arrays saved as x and y in an .npz file")
+# Files of torch.save or pickle: objects that only the user's code knows how to make a Dataset of.
+_SAVED_OBJECTS = (".pt", ".pth", ".pkl", ".pickle")
+
+
+def _file_hint(name: str) -> str:
+    """For a file that none of the sources reads: what would read it."""
+    suffix = Path(name).suffix
+    if name.lower().endswith(_TABLES):
+        return (f"; a table ({suffix}) needs a data factory of yours that reads its columns into a "
+                "Dataset (--data mymodule:data), or its arrays saved as x and y in an .npz file")
+    if name.lower().endswith(_SAVED_OBJECTS):
+        return (f"; a saved object ({suffix}) needs a data factory of yours that loads it into a Dataset "
+                "(TensorDataset(x, y), --data mymodule:data), or its arrays saved as x and y in an .npz file")
+    if name.lower().endswith(".npy"):
+        return "; an .npy file holds one array: save the inputs as x.npy and the targets as y.npy in one directory"
+    return ""
 
 
 def source_of(name: str) -> Source:
@@ -117,7 +128,7 @@ def source_of(name: str) -> Source:
     if "/" in name or Path(name).exists():
         found_as = "is not one of these" if Path(name).exists() else "does not exist"
         raise UserError(f"data path '{name}' {found_as}: give a directory of x.npy and y.npy, an .npz file, "
-                        f"a .bin token file, .tar shards or class folders of images{_table_hint(name)}")
+                        f"a .bin token file, .tar shards or class folders of images{_file_hint(name)}")
     raise UserError(
         f"unknown data set '{name}': use one of {', '.join(BUILT_IN)}, a path to an .npz file, a directory "
         f"of .npy arrays, a .bin token file, or package.module:function{colon_hint(name)}"
