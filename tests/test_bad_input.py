@@ -171,6 +171,10 @@ CASES = {
                                      "tensors, arrays or numbers from your Dataset"),
     "a pattern of shards the shell expanded": (["--data", "s/a-0.tar", "s/a-1.tar"],
                                                "a shell expanded a pattern of shards: quote it (--data 'shards/*.tar')"),
+    "a launcher's option": (["-np", "4"], "hvdtrain fit takes no -np: it runs in each process a launcher starts, and "
+                            "the number of processes is the launcher's: horovodrun -np 4 hvdtrain fit ..., or "
+                            "torchrun --nproc-per-node 4 hvdtrain fit ..."),
+    "another trainer's option": (["--devices=2"], "hvdtrain fit takes no --devices: it runs in each process"),
 }
 
 

@@ -123,10 +123,33 @@ def _main(argv: Sequence[str] | None) -> None:
         message = err.format_message()
         if "unexpected extra argument" in message and any(arg.endswith(".tar") for arg in args):
             message += "; a shell expanded a pattern of shards: quote it (--data 'shards/*.tar')"
+        message = _launcher_s_option(message, args)
         fail(message, 2, debug)
     except Exception as err:
         report_and_exit(err, debug)
         raise  # a bug or a machine failure: keep the traceback
+
+
+# The number of processes or devices, as launchers and other trainers take it: a launcher's option here.
+_PROCESS_COUNT_OPTIONS = {"-np", "--np", "-n", "--num-proc", "--nproc-per-node", "--nproc_per_node", "--nnodes",
+                          "--gpus", "--num-gpus", "--num_gpus", "--devices", "--world-size", "--world_size",
+                          "--num-nodes", "--num_nodes", "--num-processes", "--num_processes"}
+
+
+def _launcher_s_option(message: str, args: Sequence[str]) -> str:
+    """`hvdtrain fit -np 2` (or Lightning's `--devices 2`): hvdtrain runs in each process a launcher
+    starts, and the number of them is the launcher's; else `message` as it was."""
+    given = [(index, arg.split("=", 1)) for index, arg in enumerate(args) if arg.split("=", 1)[0] in
+             _PROCESS_COUNT_OPTIONS]
+    if not message.startswith("No such option") or not given or args[:1] not in (["fit"], ["evaluate"], ["predict"]):
+        return message
+    index, (option, *value) = given[0]
+    number = value[0] if value else args[index + 1] if index + 1 < len(args) else ""
+    number = number if number.isdigit() else "N"
+    command = " ".join(["hvdtrain", *args[:1]])
+    return (f"{command} takes no {option}: it runs in each process a launcher starts, and the number of "
+            f"processes is the launcher's: horovodrun -np {number} {command} ..., or torchrun --nproc-per-node "
+            f"{number} {command} ...")
 
 
 def _interrupted(debug: bool, command_process: bool) -> NoReturn:
