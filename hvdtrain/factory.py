@@ -43,7 +43,7 @@ def resolve_factory(path: str, what: str, require_callable: bool = True) -> Call
         raise UserError(f"{what} factory '{path}' names a file: name its module and put its folder on PYTHONPATH "
                         f"(PYTHONPATH={folder or '.'} and {file_name.removesuffix('.py')}:{attribute})")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_module(module_name)
     except ModuleNotFoundError as err:
         raise UserError(
             f"{what} factory '{path}': module '{err.name}' not found; install it or add its folder to PYTHONPATH"
@@ -56,11 +56,45 @@ def resolve_factory(path: str, what: str, require_callable: bool = True) -> Call
             if module_name == "hvdtrain.api":  # an object handed to hvdtrain.fit lives in that script alone
                 raise UserError(f"the {what} of this run was a Python object given to hvdtrain.fit: it cannot be "
                                 "rebuilt here; give it again from Python, or use a package.module:function")
-            raise UserError(f"{what} factory '{path}': '{module_name}' has no attribute '{attribute}'")
+            raise UserError(f"{what} factory '{path}': '{module_name}' has no attribute '{attribute}'"
+                            f"{_shadowed_hint(module_name, module)}")
         target = getattr(target, part)
     if require_callable and not callable(target):
         raise UserError(f"{what} factory '{path}' is not callable")
     return target
+
+
+def _import_module(module_name: str) -> Any:
+    """The module, or else the one of that name in the current directory, as `python -m hvdtrain` (and
+    `uvicorn main:app`) would find it: the `hvdtrain` command's path starts at its own folder instead."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        import os
+        import sys
+
+        top, here = module_name.partition(".")[0], os.getcwd()
+        in_here = os.path.isfile(os.path.join(here, f"{top}.py")) or os.path.isdir(os.path.join(here, top))
+        if err.name != top or not in_here or here in sys.path or "" in sys.path:
+            raise
+        sys.path.append(here)  # last: a module of the current directory never hides an installed one
+        return importlib.import_module(module_name)
+
+
+def _shadowed_hint(module_name: str, module: Any) -> str:
+    """Where the module imported is not the user's file of that name on the path (their `io.py` or
+    `json.py`, whose name Python's own module, imported first, already holds): which was imported."""
+    import sys
+    from pathlib import Path
+
+    imported = getattr(module, "__file__", None) or "built into Python"
+    relative = Path(*module_name.split("."))
+    for entry in sys.path:
+        for candidate in (Path(entry or ".") / relative.with_suffix(".py"), Path(entry or ".") / relative / "__init__.py"):
+            if candidate.is_file() and str(candidate.resolve()) != str(Path(imported).resolve()):
+                return (f" (the '{module_name}' imported is {imported}, not {candidate}: another module of that name "
+                        "came first; rename yours)")
+    return ""
 
 
 def call_factory(path: str, what: str, offered: dict[str, Any], unknown: dict[str, str] | None = None, *,

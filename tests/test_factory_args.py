@@ -5,6 +5,7 @@ the run is one warning line from rank 0."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -12,11 +13,12 @@ import torch
 import yaml
 
 import hvdtrain
-from conftest import HOROVOD_AND_TORCH, assert_ok, epoch_records, fit_under, requires_launchers, run
+from conftest import HOROVOD_AND_TORCH, ROOT, assert_ok, epoch_records, fit_under, requires_launchers, run
 from factory_signatures import ResNetLike, TinyConv
 from hvdtrain import UserError
 from hvdtrain.cli import main
 from hvdtrain.config import Config, ModelConfig, TaskConfig, describe, settings_config
+from hvdtrain.factory import resolve_factory
 from hvdtrain.models import build_model
 from hvdtrain.tasks import build_task
 
@@ -132,6 +134,29 @@ def test_a_model_named_as_a_dotted_path_or_a_file_says_how_to_name_it(name, mess
     with pytest.raises(UserError) as raised:
         build_model(ModelConfig(name=name), DIGITS, 10)
     assert str(raised.value) == message
+
+
+def test_a_module_in_the_current_directory_is_found_without_pythonpath(tmp_path):
+    """As `python -m hvdtrain` finds it (and uvicorn's `main:app`): the command's own path starts at its
+    folder. Data-loader workers and `evaluate` from the same directory find it too."""
+    (tmp_path / "mydata.py").write_text(
+        "import torch\nfrom torch.utils.data import TensorDataset\n"
+        "def data():\n    x = torch.randn(96, 8, generator=torch.Generator().manual_seed(0))\n"
+        "    return TensorDataset(x, (x[:, 0] > 0).long())\n")
+    fit = ["--data", "mydata:data", "--epochs", "1", "--num-workers", "1", "--engine", "local", "--run-dir", "r"]
+    assert_ok(run(["hvdtrain", "fit", "--progress", "off", *fit], cwd=tmp_path, pythonpath=str(ROOT)))
+    assert_ok(run(["hvdtrain", "evaluate", "r"], cwd=tmp_path, pythonpath=str(ROOT)))
+
+
+def test_a_module_hidden_by_another_of_its_name_says_which_was_imported(tmp_path, monkeypatch):
+    """A user's io.py on the path: Python's own io, imported first, answers for it."""
+    (tmp_path / "io.py").write_text("def data():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError) as raised:
+        resolve_factory("io:data", "data set")
+    assert str(raised.value) == ("data set factory 'io:data': 'io' has no attribute 'data' (the 'io' imported is "
+                                 f"{io.__file__}, not {tmp_path / 'io.py'}: another module of that name came first; "
+                                 "rename yours)")
 
 
 def test_a_dataset_class_without_its_arguments_says_which_to_give(tmp_path):
