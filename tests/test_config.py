@@ -51,6 +51,16 @@ def test_a_section_key_at_the_top_of_a_file_is_pointed_at_its_section():
         Config.from_dict({"epochs": 3})
 
 
+def test_hydra_s_keys_say_how_hvdtrain_names_the_same():
+    with pytest.raises(UserError, match=r"^config key 'model._target_' does not exist: Hydra's name for a class to "
+                                        r"build; hvdtrain's is model.name, a package.module:function \(or :Class\) given "
+                                        r"its arguments from model.args$"):
+        Config.from_dict({"model": {"_target_": "mymodule.Net", "hidden": 64}})
+    with pytest.raises(UserError, match=r"^config key 'defaults' does not exist: Hydra's list of other config files; "
+                                        r"hvdtrain reads one file \(--config\)"):
+        Config.from_dict({"defaults": [{"model": "mlp"}]})
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_config(tmp_path / "absent.yaml")

@@ -22,6 +22,15 @@ OTHER_TOOLS_NAMES = {
 }
 
 
+# Hydra's own keys in a config, and how hvdtrain says the same.
+HYDRA_KEYS = {
+    "_target_": "Hydra's name for a class to build; hvdtrain's is {section}name, a package.module:function (or "
+                ":Class) given its arguments from {section}args",
+    "defaults": "Hydra's list of other config files; hvdtrain reads one file (--config), its keys overridden by "
+                "flags and --set",
+}
+
+
 def homes_of(name: str, homes: dict[str, list[str]]) -> list[str]:
     """The full names of key `name`, or of ours for another tool's name (`learning_rate`: `optim.lr`)."""
     return homes.get(name) or homes.get(OTHER_TOOLS_NAMES.get(name, ""), [])
@@ -52,6 +61,8 @@ def reject_unknown(values: dict[str, Any], known: Any, prefix: str, homes: dict[
 def unknown_key_hint(key: str, known: Any, prefix: str, homes: dict[str, list[str]]) -> str:
     """Where the key is in another section (or under another tool's name), else the closest key here,
     else the closest anywhere, else every key here."""
+    if key in HYDRA_KEYS and (key == "defaults") == (prefix == ""):
+        return HYDRA_KEYS[key].format(section=prefix)
     elsewhere = homes_of(key, homes)
     if not elsewhere:
         close = difflib.get_close_matches(key, list(known), n=1)
