@@ -57,7 +57,7 @@ def resolve_factory(path: str, what: str, require_callable: bool = True) -> Call
                 raise UserError(f"the {what} of this run was a Python object given to hvdtrain.fit: it cannot be "
                                 "rebuilt here; give it again from Python, or use a package.module:function")
             raise UserError(f"{what} factory '{path}': '{module_name}' has no attribute '{attribute}'"
-                            f"{_shadowed_hint(module_name, module)}")
+                            f"{_shadowed_hint(module_name, module, part) if target is module else ''}")
         target = getattr(target, part)
     if require_callable and not callable(target):
         raise UserError(f"{what} factory '{path}' is not callable")
@@ -73,27 +73,33 @@ def _import_module(module_name: str) -> Any:
         import os
         import sys
 
-        top, here = module_name.partition(".")[0], os.getcwd()
-        in_here = os.path.isfile(os.path.join(here, f"{top}.py")) or os.path.isdir(os.path.join(here, top))
+        top, here = module_name.partition(".")[0], os.getcwd()  # a module or a package, not any folder
+        in_here = os.path.isfile(os.path.join(here, f"{top}.py")) or os.path.isfile(os.path.join(here, top, "__init__.py"))
         if err.name != top or not in_here or here in sys.path or "" in sys.path:
             raise
         sys.path.append(here)  # last: a module of the current directory never hides an installed one
         return importlib.import_module(module_name)
 
 
-def _shadowed_hint(module_name: str, module: Any) -> str:
-    """Where the module imported is not the user's file of that name on the path (their `io.py` or
-    `json.py`, whose name Python's own module, imported first, already holds): which was imported."""
+def _shadowed_hint(module_name: str, module: Any, attribute: str) -> str:
+    """Where the module imported is not the user's file of that name on the path that defines `attribute`
+    (their `io.py` or `json.py`, whose name Python's own module, imported first, already holds): which was
+    imported."""
+    import os
+    import re
     import sys
     from pathlib import Path
 
-    imported = getattr(module, "__file__", None) or "built into Python"
+    imported = getattr(module, "__file__", None)
     relative = Path(*module_name.split("."))
+    defines = re.compile(rf"^(def|class)\s+{re.escape(attribute)}\b|^{re.escape(attribute)}\s*[:=]", re.M)
     for entry in sys.path:
         for candidate in (Path(entry or ".") / relative.with_suffix(".py"), Path(entry or ".") / relative / "__init__.py"):
-            if candidate.is_file() and str(candidate.resolve()) != str(Path(imported).resolve()):
-                return (f" (the '{module_name}' imported is {imported}, not {candidate}: another module of that name "
-                        "came first; rename yours)")
+            if not candidate.is_file() or (imported and os.path.exists(imported) and os.path.samefile(candidate, imported)):
+                continue
+            if defines.search(candidate.read_text(errors="replace")):
+                return (f" (the '{module_name}' imported is {imported or 'built into Python'}, not {candidate}, which "
+                        "defines it: another module of that name came first; rename yours)")
     return ""
 
 

@@ -239,8 +239,11 @@ def test_resume_given_a_path_names_the_run_directory_meant(existing_run, given, 
                            "--resume"), err
     with pytest.raises(UserError, match=re.escape(f"for this one: run_dir='{existing_run}', resume=True")):
         hvdtrain.fit(engine="local", resume=str(path))
-    with pytest.raises(UserError, match="^resume takes True, 'always' or 'auto', got 'alwyas'$"):
+    with pytest.raises(UserError, match="^resume takes True, False, 'always' or 'auto', got 'alwyas'$"):
         hvdtrain.fit(engine="local", resume="alwyas")
+    checkpoints = existing_run / "checkpoints"  # the folder of checkpoints names its run too
+    with pytest.raises(UserError, match=re.escape(f"for this one: run_dir='{existing_run}', resume=True")):
+        hvdtrain.fit(engine="local", resume=str(checkpoints))
 
 
 def resume_refused(run_dir: Path, capsys, *args: str) -> str:

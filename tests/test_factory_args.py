@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 
 import pytest
 import torch
@@ -148,6 +149,15 @@ def test_a_module_in_the_current_directory_is_found_without_pythonpath(tmp_path)
     assert_ok(run(["hvdtrain", "evaluate", "r"], cwd=tmp_path, pythonpath=str(ROOT)))
 
 
+def test_a_folder_of_the_current_directory_that_is_no_package_is_not_imported(tmp_path, monkeypatch):
+    (tmp_path / "plain_folder").mkdir()  # no __init__.py: Python would take it for a namespace package
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", str(tmp_path))])
+    with pytest.raises(UserError, match="module 'plain_folder' not found; install it or add its folder to PYTHONPATH"):
+        resolve_factory("plain_folder:make", "data set")
+    assert str(tmp_path) not in sys.path
+
+
 def test_a_module_hidden_by_another_of_its_name_says_which_was_imported(tmp_path, monkeypatch):
     """A user's io.py on the path: Python's own io, imported first, answers for it."""
     (tmp_path / "io.py").write_text("def data():\n    pass\n")
@@ -155,8 +165,17 @@ def test_a_module_hidden_by_another_of_its_name_says_which_was_imported(tmp_path
     with pytest.raises(UserError) as raised:
         resolve_factory("io:data", "data set")
     assert str(raised.value) == ("data set factory 'io:data': 'io' has no attribute 'data' (the 'io' imported is "
-                                 f"{io.__file__}, not {tmp_path / 'io.py'}: another module of that name came first; "
-                                 "rename yours)")
+                                 f"{io.__file__}, not {tmp_path / 'io.py'}, which defines it: another module of that "
+                                 "name came first; rename yours)")
+    # A misspelt name in a module found twice (a checkout and its installed copy) is no such case.
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for folder in ("a", "b"):
+        (tmp_path / folder / "twice_found.py").write_text("def make():\n    pass\n")
+        monkeypatch.syspath_prepend(str(tmp_path / folder))
+    with pytest.raises(UserError) as raised:
+        resolve_factory("twice_found:mak", "model")
+    assert str(raised.value) == "model factory 'twice_found:mak': 'twice_found' has no attribute 'mak'"
 
 
 def test_a_dataset_class_without_its_arguments_says_which_to_give(tmp_path):

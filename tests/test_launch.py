@@ -298,6 +298,48 @@ def test_horovodrun_says_open_mpi_s_report_of_a_failed_job_in_one_line(mpirun_sa
         + said
 
 
+def test_horovodrun_s_one_line_survives_a_progress_bar_before_the_box_and_names_another_host():
+    """A rank's bar, cleared with a carriage return and no newline, ends up on the line of the box's opening
+    rule when both come in one read; a rank killed on another host is named with it."""
+    import io
+
+    from hvdtrain.cli.mpirun_report import MpirunReport
+
+    read, write = os.pipe()
+    out = io.StringIO()
+    report = MpirunReport(os.fdopen(read, "rb"), out)
+    bar = b"[1,0]<stderr>:epoch 1:  40%|####      | 4/10\r[1,0]<stderr>:\r"
+    os.write(write, bar + (ABORTED + SIGNALLED.replace("node vm", "node gpu-host-7")).encode())
+    os.close(write)
+    report.finish()
+    assert out.getvalue() == bar.decode() + ("horovodrun: worker 1 (on gpu-host-7) was killed by SIGKILL (exit status "
+                                             "137); the other workers were stopped\n")
+
+
+def test_mpirun_s_stderr_is_read_to_its_end_where_nothing_can_be_written():
+    """Started with stderr closed (`2>&-`: sys.stderr is None), or a stream that fails: mpirun's pipe is still
+    drained, or mpirun would block on it with the job."""
+    from hvdtrain.cli.mpirun_report import MpirunReport
+
+    class Failing:
+        def write(self, text):
+            raise RuntimeError("a stream that fails")
+
+    import threading
+
+    for out in (None, Failing()):
+        read, write = os.pipe()
+        report = MpirunReport(os.fdopen(read, "rb"), out)
+        # past a pipe's 64 KiB: the writer (mpirun) blocks unless the pipe is read
+        writer = threading.Thread(target=os.write, args=(write, (b"x" * 1000 + b"\n") * 400), daemon=True)
+        writer.start()
+        writer.join(10)
+        assert not writer.is_alive()
+        os.close(write)
+        report.finish()
+        assert not report.thread.is_alive()
+
+
 def test_the_compiler_wrapper_builds_horovod_s_code_as_cxx17_with_the_headers_it_leaves_out(tmp_path):
     # Horovod pins -std=c++14 and uses std::string without <string>; torch's headers need C++17.
     source = tmp_path / "group_table.cc"

@@ -123,7 +123,7 @@ def _main(argv: Sequence[str] | None) -> None:
         message = err.format_message()
         if "unexpected extra argument" in message and any(arg.endswith(".tar") for arg in args):
             message += "; a shell expanded a pattern of shards: quote it (--data 'shards/*.tar')"
-        message = _launcher_s_option(message, args)
+        message = _launcher_s_option(err, message, args)
         fail(message, 2, debug)
     except Exception as err:
         report_and_exit(err, debug)
@@ -136,20 +136,23 @@ _PROCESS_COUNT_OPTIONS = {"-np", "--np", "-n", "--num-proc", "--nproc-per-node",
                           "--num-nodes", "--num_nodes", "--num-processes", "--num_processes"}
 
 
-def _launcher_s_option(message: str, args: Sequence[str]) -> str:
+def _launcher_s_option(err: Exception, message: str, args: Sequence[str]) -> str:
     """`hvdtrain fit -np 2` (or Lightning's `--devices 2`): hvdtrain runs in each process a launcher
     starts, and the number of them is the launcher's; else `message` as it was."""
-    given = [(index, arg.split("=", 1)) for index, arg in enumerate(args) if arg.split("=", 1)[0] in
-             _PROCESS_COUNT_OPTIONS]
-    if not message.startswith("No such option") or not given or args[:1] not in (["fit"], ["evaluate"], ["predict"]):
+    option = getattr(err, "option_name", None)  # click's NoSuchOption: the option it could not place
+    given = next((arg for arg in args if arg.split("=", 1)[0] in _PROCESS_COUNT_OPTIONS and
+                  (arg.split("=", 1)[0] == option or arg.startswith(f"{option}p"))), None)  # -np is -n to click
+    ctx = getattr(err, "ctx", None)
+    command = getattr(getattr(ctx, "command", None), "name", None)
+    if given is None or command not in ("fit", "evaluate", "predict"):
         return message
-    index, (option, *value) = given[0]
+    flag, *value = given.split("=", 1)
+    index = args.index(given)
     number = value[0] if value else args[index + 1] if index + 1 < len(args) else ""
     number = number if number.isdigit() else "N"
-    command = " ".join(["hvdtrain", *args[:1]])
-    return (f"{command} takes no {option}: it runs in each process a launcher starts, and the number of "
-            f"processes is the launcher's: horovodrun -np {number} {command} ..., or torchrun --nproc-per-node "
-            f"{number} {command} ...")
+    return (f"hvdtrain {command} takes no {flag}: it runs in each process a launcher starts, and the number of "
+            f"processes is the launcher's: horovodrun -np {number} hvdtrain {command} ..., or torchrun "
+            f"--nproc-per-node {number} hvdtrain {command} ...")
 
 
 def _interrupted(debug: bool, command_process: bool) -> NoReturn:

@@ -20,8 +20,8 @@ RULE = re.compile(rb"-{20,}\s*")  # the lines around each of Open MPI's help tex
 JOB_ABORTED = b"Primary job  terminated normally, but"
 EXITED = re.compile(rb"mpirun detected that one or more processes exited with non-zero status.*"
                     rb"Process name: \[\[\d+,\d+\],(\d+)\]\s+Exit code:\s+(\d+)", re.S)
-SIGNALLED = re.compile(rb"mpirun noticed that process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
-RANKS_OWN = re.compile(rb"\[\d+,\d+\]<std(out|err)>:")  # a rank's line, as --tag-output marks it
+SIGNALLED = re.compile(rb"mpirun noticed that process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
+RANKS_OWN = re.compile(rb".*?\[\d+,\d+\]<std(out|err)>:")  # a rank's line, as --tag-output marks it (timestamped or not)
 
 
 class MpirunReport:
@@ -41,14 +41,23 @@ class MpirunReport:
         while), then anything held back as it was."""
         self.thread.join(timeout)
         with self.lock:
-            self._write(b"".join(self.box or []) + self.partial)
+            self._write(b"".join(self.box or []) + self.partial, final=True)
             self.box, self.partial = None, b""
 
     def _read(self) -> None:
         fd = self.source.fileno()
-        while chunk := _read_some(fd):
+        broken = False
+        while chunk := _read_some(fd):  # to the end, whatever happens: a pipe left full would hold mpirun
             with self.lock:
-                self._chunk(chunk)
+                if broken:
+                    self._write(chunk)
+                    continue
+                try:
+                    self._chunk(chunk)
+                except Exception:  # a bug here: the rest as it comes, never a job held up
+                    broken = True
+                    self._write(b"".join(self.box or []) + self.partial)
+                    self.box, self.partial = None, b""
 
     def _chunk(self, chunk: bytes) -> None:
         self.partial += chunk
@@ -61,8 +70,11 @@ class MpirunReport:
 
     def _line(self, line: bytes) -> None:
         if self.box is None or RANKS_OWN.match(line):  # a rank's own line inside a box comes out as it comes
-            if self.box is None and RULE.fullmatch(line):
-                self.box = [line]
+            # A rank's line in progress without its end (a progress bar, cleared with `\r`) may come first.
+            head, sep, tail = line.rpartition(b"\r")
+            if self.box is None and RULE.fullmatch(tail):
+                self._write(head + sep)
+                self.box = [tail]
             else:
                 self._write(line)
             return
@@ -75,25 +87,37 @@ class MpirunReport:
         if JOB_ABORTED in box:
             return  # names nothing; the box after it says who
         exited, signalled = EXITED.search(box), SIGNALLED.search(box)
+        host = ""
         if exited:
-            failures = {int(exited.group(1)): (int(exited.group(2)), 0.0)}
+            rank, failures = int(exited.group(1)), {int(exited.group(1)): (int(exited.group(2)), 0.0)}
         elif signalled:
-            failures = {int(signalled.group(1)): (128 + int(signalled.group(2)), 0.0)}
+            rank, failures = int(signalled.group(1)), {int(signalled.group(1)): (128 + int(signalled.group(3)), 0.0)}
+            host = _other_host(signalled.group(2).decode(errors="replace"))
         else:
             self._write(box)
             return
         line = outcome(failures)[1]
+        if line and host:  # on several hosts, where it died (the out-of-memory killer's host, say)
+            line = line.replace(f"worker {rank} ", f"worker {rank} (on {host}) ", 1)
         if line:
             self._write(f"{self.launcher}: {line}\n".encode())
 
-    def _write(self, data: bytes) -> None:
-        if not data:
-            return
+    def _write(self, data: bytes, final: bool = False) -> None:
         try:
-            self.out.write(self.decoder.decode(data))
-            self.out.flush()
-        except (OSError, ValueError):  # nobody reads it any more (`| head`)
+            text = self.decoder.decode(data, final=final)
+            if text and self.out is not None:  # None: started with stderr closed
+                self.out.write(text)
+                self.out.flush()
+        except Exception:  # nobody reads it any more (`| head`): the job goes on
             pass
+
+
+def _other_host(name: str) -> str:
+    """`name`, unless it is this host."""
+    import socket
+
+    here = {"localhost", socket.gethostname(), socket.gethostname().split(".")[0]}
+    return "" if name in here or name.split(".")[0] in here else name
 
 
 def _read_some(fd: int) -> bytes:

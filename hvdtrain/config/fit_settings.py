@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import shlex
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,19 +131,23 @@ def _setting_hint(name: str) -> str:
     return f"did you mean overrides={{'{homes[0]}': ...}}? (it has no flag)" if len(homes) == 1 else ""
 
 
+CHECKPOINTS = "checkpoints"  # a run's folder of them (io.checkpoint.CHECKPOINTS, whose import pulls in torch)
+
+
 def not_a_choice(setting: FitSetting, value: str, flag: bool) -> str:
     """The line for a setting of a few words (`--resume`) given another: a path there is another tool's
     habit (`--resume runs/a`, `--resume last.ckpt`), so it names the run directory meant."""
     if flag:
         name, alone, taken = setting.flag, setting.flag, ["no value", *setting.choices]
     else:
-        name, alone, taken = setting.name, f"{setting.name}=True", ["True", *map(repr, setting.choices)]
+        name, alone, taken = setting.name, f"{setting.name}=True", ["True", "False", *map(repr, setting.choices)]
     taken = ", ".join(taken[:-1]) + " or " + taken[-1]
-    path = Path(value).expanduser()
-    if setting.key != "run.resume" or not path.exists():
+    path = Path(os.path.expanduser(value))
+    if setting.key != "run.resume" or not value.strip() or not path.exists():
         return f"{name} takes {taken}, got {value!r}"
-    run = path if path.is_dir() else path.parent.parent if path.parent.name == "checkpoints" else path.parent
-    run_dir = f"--run-dir {run} " if flag else f"run_dir={str(run)!r}, "
+    run = path.parent if path.is_dir() and path.name == CHECKPOINTS else path if path.is_dir() else \
+        path.parent.parent if path.parent.name == CHECKPOINTS else path.parent
+    run_dir = f"--run-dir {shlex.quote(str(run))} " if flag else f"run_dir={str(run)!r}, "
     return (f"{name} takes {taken}, not a path: it continues from the newest intact checkpoint of the run "
             f"directory; for this one: {run_dir}{alone}")
 
@@ -160,7 +166,8 @@ def settings_config(path: str | Path | None, overrides: dict[str, Any], settings
         setting = _BY_NAME[name]
         if setting.alone is not None and value == setting.alone:  # plain --resume
             value = True
-        if setting.alone is not None and isinstance(value, str) and value not in setting.choices:
+        if setting.alone is not None and isinstance(value, str) and value not in setting.choices \
+                and value.lower() not in ("true", "false"):  # the config's own words for a switch
             raise UserError(not_a_choice(setting, value, flag=False))
         if setting.repeatable and isinstance(value, (list, tuple)):
             value = ",".join(value) or None
