@@ -280,3 +280,33 @@ def test_a_rank_leaving_on_its_failure_exits_by_the_deadline_when_the_shutdown_h
     done = subprocess.run([sys.executable, "-c", _SLOW_EXIT_HANDLER_AFTER_A_SHUTDOWN], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 3 and done.stdout == "the exit handler ran\n", done
+
+
+def test_without_a_launcher_a_rank_waits_for_rank_0_s_host_to_resolve_then_fails_in_words(monkeypatch, capsys):
+    """A PyTorchJob's pod may start before rank 0's pod name resolves: the rank waits, saying so once; a name
+    that never resolves still ends in the one line (at once under a launcher, whose address is set)."""
+    import socket
+
+    from hvdtrain.engine.rendezvous import require_resolvable
+    from hvdtrain.errors import RendezvousFailed
+
+    answers = iter([socket.gaierror(-2, "Name or service not known")] * 2)
+
+    def getaddrinfo(host, port):
+        err = next(answers, None)
+        if err is not None:
+            raise err
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.7", 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    require_resolvable("env://job-master-0:29500", 1, wait_seconds=30)
+    assert capsys.readouterr().err == ("hvdtrain: rank 1: waiting for rank 0's host 'job-master-0' to resolve (a pod's "
+                                       "name does once the pod runs), up to 30 s\n")
+    answers = iter([socket.gaierror(-2, "Name or service not known")] * 1000)
+    started = time.monotonic()
+    with pytest.raises(RendezvousFailed, match="host 'job-master-0' does not resolve \\(Name or service not known\\)"):
+        require_resolvable("env://job-master-0:29500", 1, wait_seconds=1.5)
+    assert 1.5 <= time.monotonic() - started < 5
+    with pytest.raises(RendezvousFailed):
+        require_resolvable("env://job-master-0:29500", 1)
+    assert capsys.readouterr().err.count("waiting for rank 0's host") == 1

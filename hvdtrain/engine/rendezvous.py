@@ -39,18 +39,34 @@ def could_not_listen(err: BaseException) -> bool:
     return any(words in text for words in ("failed to listen", "failed to bind", "address already in use"))
 
 
-def require_resolvable(where: str, rank: int) -> None:
-    """A host name that does not resolve fails at once, not after the rendezvous timeout (torch
-    retries it for minutes)."""
+# Without a launcher (a PyTorchJob's pods), how long a rank waits for rank 0's host name to resolve:
+# a pod's name resolves once that pod runs, which may be after this one starts.
+RESOLVE_WAIT_SECONDS = 120.0
+
+
+def require_resolvable(where: str, rank: int, wait_seconds: float = 0.0) -> None:
+    """A host name that does not resolve fails at once (after `wait_seconds`, said in one line), not
+    after the rendezvous timeout (torch retries it for minutes)."""
     import socket
+    import sys
+    import time
     from urllib.parse import urlsplit
 
     host = urlsplit(where).hostname
     if not host or where.startswith("file://"):
         return
-    try:
-        socket.getaddrinfo(host, None)
-    except OSError as err:
-        raise RendezvousFailed(f"rank {rank}: the ranks cannot meet at {where}: host '{host}' does not resolve "
-                               f"({err.strerror or err}). MASTER_ADDR (or the host in HVDTRAIN_INIT_METHOD) must "
-                               "name rank 0's host") from err
+    deadline, said = time.monotonic() + wait_seconds, False
+    while True:
+        try:
+            socket.getaddrinfo(host, None)
+            return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise RendezvousFailed(f"rank {rank}: the ranks cannot meet at {where}: host '{host}' does not "
+                                       f"resolve ({err.strerror or err}). MASTER_ADDR (or the host in "
+                                       "HVDTRAIN_INIT_METHOD) must name rank 0's host") from err
+            if not said:
+                print(f"hvdtrain: rank {rank}: waiting for rank 0's host '{host}' to resolve (a pod's name does "
+                      f"once the pod runs), up to {wait_seconds:.0f} s", file=sys.stderr, flush=True)
+                said = True
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))

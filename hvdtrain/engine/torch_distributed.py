@@ -28,9 +28,9 @@ import torch.distributed as dist
 from hvdtrain.engine.base import GradientSync
 from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.engine.buckets import BucketHooks, buckets, grads_with_flags, write_back
-from hvdtrain.engine.environment import launcher_facts, torchrun_restarts
+from hvdtrain.engine.environment import env_rendezvous_launched, launcher_facts, torchrun_restarts
 from hvdtrain.engine.parent_death import end_with_the_agent
-from hvdtrain.engine.rendezvous import could_not_listen, init_method, require_resolvable
+from hvdtrain.engine.rendezvous import RESOLVE_WAIT_SECONDS, could_not_listen, init_method, require_resolvable
 from hvdtrain.errors import RendezvousFailed, UserError, message_lines
 from hvdtrain.engine.activity import SET_UP_SECONDS, Activity
 from hvdtrain.engine.watchdog import Board, StallWatchdog
@@ -104,7 +104,7 @@ class TorchEngine(WatchedEngine):
         timeout = datetime.timedelta(seconds=max(stall_timeout, SET_UP_SECONDS) + 60 if stall_timeout > 0 else 1800)
         where = f"{method}{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if method == "env://" else method
         if rank != 0:  # rank 0 hosts the rendezvous; the others connect to it
-            require_resolvable(where, rank)
+            require_resolvable(where, rank, RESOLVE_WAIT_SECONDS if env_rendezvous_launched() else 0.0)
         try:
             store, _, _ = next(dist.rendezvous(method, rank, size, timeout=timeout))
             if restarts := torchrun_restarts():  # dist: the agent's store keeps the last attempt's addresses
