@@ -278,6 +278,23 @@ def test_runs_marks_an_unfinished_run(finished_digits, tmp_path, capsys):
     main(["runs", str(tmp_path)])
     line = capsys.readouterr().out.splitlines()[1]
     assert "1/2" in line and "stopped after epoch 1" in line and "val_acc" in line
+    # A fit holding it now, here: running; killed outright (its lock's note left behind): stopped again.
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; from hvdtrain.io."
+                               "run_lock import claim; claim(Path(sys.argv[1])); print('held', flush=True); "
+                               "time.sleep(60)", str(copy)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        main(["runs", str(tmp_path)])
+        assert capsys.readouterr().out.splitlines()[1].split()[-1] == "running"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (copy / ".hvdtrain.lock").read_text()  # the note of a process that has gone
+    main(["runs", str(tmp_path)])
+    assert capsys.readouterr().out.splitlines()[1].endswith("stopped after epoch 1")
 
 
 # --- plan ------------------------------------------------------------------------------------
