@@ -310,3 +310,22 @@ def test_without_a_launcher_a_rank_waits_for_rank_0_s_host_to_resolve_then_fails
     with pytest.raises(RendezvousFailed):
         require_resolvable("env://job-master-0:29500", 1)
     assert capsys.readouterr().err.count("waiting for rank 0's host") == 1
+
+
+def test_threads_that_this_host_s_ranks_cannot_all_run_are_one_warning(monkeypatch):
+    """OMP_NUM_THREADS=8 for 2 ranks on 2 cores halved the speed here, without a word."""
+    from hvdtrain.engine import environment
+
+    monkeypatch.setattr(environment.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(environment, "available_cores", lambda: 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert environment.too_many_threads(0, 2) == ("2 processes x 8 threads (OMP_NUM_THREADS=8) on this host's 2 "
+                                                  "cores: the ranks take cores from each other and every step slows; "
+                                                  "give --threads 1")
+    assert environment.too_many_threads(1, 2) is None  # --threads wins over OMP_NUM_THREADS
+    assert environment.too_many_threads(2, 1) is None
+    assert "(--threads 3)" in environment.too_many_threads(3, 1)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert environment.too_many_threads(0, 2) is None  # the default: each rank's share of the cores
+    monkeypatch.setattr(environment, "available_cores", lambda: 1)  # mpirun binds each rank to a core
+    assert environment.too_many_threads(0, 2) is None and environment.too_many_threads(2, 2) is not None

@@ -21,7 +21,7 @@ from hvdtrain import startup_gc
 from hvdtrain.engine import host_memory
 from hvdtrain.engine.base import Engine, GradientSync, RankFailed
 from hvdtrain.engine.environment import (available_cores, env_rendezvous_launched, environment_rank, launcher_facts,
-                                         plain_srun_rank, threads_per_process, torchrun_launched)
+                                         plain_srun_rank, threads_per_process, too_many_threads, torchrun_launched)
 from hvdtrain.engine.local import LocalEngine
 from hvdtrain.errors import AnotherRankFailed, StoppedBySignal, UserError
 
@@ -168,6 +168,9 @@ def _start(engine_type: Any, device: str, threads: int, stall_timeout: int) -> E
     torch.set_num_threads(threads_per_process(threads, local_size))
     global _started
     _started = engine_type.start(engine_device, stall_timeout)
+    crowded = too_many_threads(threads, local_size) if engine_device.type == "cpu" else None
+    if crowded and _started.rank == 0:
+        print(f"hvdtrain: warning: {crowded}", file=sys.stderr, flush=True)
     _started.watch(stall_timeout, elastic=os.environ.get("HOROVOD_ELASTIC") == "1")  # dist
     return _started
 

@@ -219,6 +219,21 @@ def threads_per_process(requested: int, local_size: int) -> int:
     return users_thread_count() or max(1, available_cores() // max(1, local_size))
 
 
+def too_many_threads(requested: int, local_size: int) -> str | None:
+    """The warning for threads given (--threads, OMP_NUM_THREADS) that this host's ranks cannot all run at
+    once: they take cores from each other, and every step waits for the slowest (half the speed, 8 threads
+    each for 2 processes on 2 cores). None where they fit."""
+    threads = threads_per_process(requested, local_size)
+    cores = os.cpu_count() or 1
+    if threads <= available_cores() and threads * local_size <= cores:
+        return None
+    given = f"--threads {requested}" if requested > 0 else f"OMP_NUM_THREADS={threads}"
+    share = max(1, min(available_cores(), cores // max(1, local_size)))
+    return (f"{local_size} process{'es' if local_size > 1 else ''} x {threads} threads ({given}) on this host's "
+            f"{min(cores, available_cores() * local_size)} cores: the ranks take cores from each other and every "
+            f"step slows; give --threads {share}")
+
+
 def users_thread_count() -> int | None:
     """OMP_NUM_THREADS as the user set it; None where unset or not a count, and under torchrun where it is
     1, which torchrun sets itself for several processes per host unless the user did."""
