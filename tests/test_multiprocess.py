@@ -89,6 +89,26 @@ def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_
     assert_same_weights(final_weights(run_dir), final_weights(horovod_dir), atol=1e-5)
 
 
+def test_bad_input_without_a_launcher_is_said_in_each_rank_s_own_log(tmp_path):
+    """A PyTorchJob's pods each keep a log of their own: rank 1's ended with its start line and status 2."""
+    port = free_port()
+    ranks = [subprocess.Popen(["hvdtrain", "fit", "--progress", "off", "--data", "no-such-data", "--run-dir",
+                               str(tmp_path / "run")], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env={**launch_env(), "RANK": str(rank), "WORLD_SIZE": "2",
+                                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for rank in (0, 1)]
+    try:
+        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [2, 2], outputs
+    for rank, output in enumerate(outputs):
+        errors = [line for line in output.splitlines() if "error" in line]
+        said = f"hvdtrain: error: {'rank 1: ' if rank else ''}unknown data set 'no-such-data'"
+        assert len(errors) == 1 and errors[0].startswith(said) and "Traceback" not in output, outputs
+
+
 @pytest.fixture(scope="module")
 def collectives(tmp_path_factory):
     """`collectives(launcher)`: (its output directory, its run) of tests/workers/collectives.py, one

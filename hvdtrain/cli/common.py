@@ -96,6 +96,9 @@ def fail(message: str, code: int, debug: bool, every_rank: bool = False, wait: b
         if step:
             environment.end_srun_step(step)
         sys.exit(code)
+    if environment.env_rendezvous_launched():  # no launcher: each rank's log is its own (a pod's), where
+        click.echo(f"hvdtrain: error: rank {rank}: {message}", err=True)  # rank 0's line is not
+        sys.exit(code)
     if wait and environment.launcher_ends_the_job_on_a_failure():
         time.sleep(_quiet_rank_wait())
         # Still here: rank 0 did not fail this way (its exit would have ended the job), a config file
