@@ -56,18 +56,9 @@ def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_
     if launcher == "torchrun":  # --engine auto picks torch; the shared run
         run_dir, done = request.getfixturevalue("digits_torchrun")
     elif launcher == "env-rendezvous":
-        run_dir, port = tmp_path / "run", free_port()
-        ranks = [subprocess.Popen(["hvdtrain", "fit", "--progress", "off", "--epochs", "3", "--log-every", "4",
-                                   "--run-dir", str(run_dir)], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                                  env={**launch_env(), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                       "MASTER_PORT": str(port)}, stderr=subprocess.STDOUT)
-                 for rank in (0, 1)]
-        try:
-            outputs = [rank.communicate(timeout=180)[0] for rank in ranks]
-        finally:
-            for rank in ranks:
-                rank.kill()
-        done = subprocess.CompletedProcess([], max(rank.returncode for rank in ranks), "".join(outputs), "".join(outputs))
+        run_dir = tmp_path / "run"
+        codes, outputs = _without_a_launcher(["--epochs", "3", "--log-every", "4", "--run-dir", str(run_dir)], tmp_path)
+        done = subprocess.CompletedProcess([], max(codes), "".join(outputs), "".join(outputs))
     elif launcher == "horovodrun-gloo":  # rank and size from horovodrun's own variables (no MPI's there)
         run_dir = tmp_path / "run"
         done = run([*LAUNCHERS[launcher], "hvdtrain", "fit", "--progress", "off", "--epochs", "3", "--log-every", "4",
@@ -89,20 +80,27 @@ def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_
     assert_same_weights(final_weights(run_dir), final_weights(horovod_dir), atol=1e-5)
 
 
-def test_bad_input_without_a_launcher_is_said_in_each_rank_s_own_log(tmp_path):
-    """A PyTorchJob's pods each keep a log of their own: rank 1's ended with its start line and status 2."""
+def _without_a_launcher(args: list[str], cwd) -> tuple[list[int], list[str]]:
+    """`hvdtrain fit --progress off *args` in two processes given torch's env:// variables, as a PyTorchJob's
+    pods get them: each one's exit status and output."""
     port = free_port()
-    ranks = [subprocess.Popen(["hvdtrain", "fit", "--progress", "off", "--data", "no-such-data", "--run-dir",
-                               str(tmp_path / "run")], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, env={**launch_env(), "RANK": str(rank), "WORLD_SIZE": "2",
-                                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    ranks = [subprocess.Popen(["hvdtrain", "fit", "--progress", "off", *args], cwd=cwd, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**launch_env(), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)})
              for rank in (0, 1)]
     try:
-        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+        outputs = [rank.communicate(timeout=180)[0] for rank in ranks]
     finally:
         for rank in ranks:
             rank.kill()
-    assert [rank.returncode for rank in ranks] == [2, 2], outputs
+    return [rank.returncode for rank in ranks], outputs
+
+
+def test_bad_input_without_a_launcher_is_said_in_each_rank_s_own_log(tmp_path):
+    """A PyTorchJob's pods each keep a log of their own: rank 1's ended with its start line and status 2."""
+    codes, outputs = _without_a_launcher(["--data", "no-such-data", "--run-dir", str(tmp_path / "run")], tmp_path)
+    assert codes == [2, 2], outputs
     for rank, output in enumerate(outputs):
         errors = [line for line in output.splitlines() if "error" in line]
         said = f"hvdtrain: error: {'rank 1: ' if rank else ''}unknown data set 'no-such-data'"
