@@ -53,7 +53,8 @@ def fit(model: ModelLike | None = None, data: DataLike | None = None, task: Any 
     task: 'classification', 'regression', 'multilabel', 'language-model', a `package.module:attribute`,
         or your own object: a loss function loss(output, target), a loss module, or a task object.
     callbacks: objects with any of on_fit_start, on_step_end, on_epoch_end, on_checkpoint, on_fit_end
-        (hvdtrain.train.callbacks), called on every rank; `state.stop(reason)` stops every rank together.
+        (hvdtrain.train.callbacks), classes of them, or their names (`mymodule:MyCallback`, as --callback),
+        called on every rank; `state.stop(reason)` stops every rank together.
     config: a YAML file, as `--config`; overrides: config keys, as `--set` ({'data.num_workers': 2}).
     engine: 'auto' (default), 'horovod', 'torch' or 'local', as `--engine`.
     settings: fit's flags by name (epochs=3, batch_size=64, lr=0.1, run_dir='runs/a', resume='auto', ...).
@@ -98,8 +99,7 @@ def fit_config(model: Any, data: Any, task: Any, callbacks: Sequence[Any], confi
                         "hvdtrain.fit(model, data=(train_set, val_set))")
     if settings.get("optimizer") is not None and not isinstance(settings["optimizer"], str):
         settings = {**settings, "optimizer": _optimizer(settings["optimizer"])}
-    named = {"model": _model(model), "data": _data(data), "task": _task(task),
-             "callback": [_keep(f"callback_{number}", callback) for number, callback in enumerate(callbacks)]}
+    named = {"model": _model(model), "data": _data(data), "task": _task(task), "callback": _callbacks(callbacks)}
     return settings_config(config, dict(overrides or {}), {**settings, **named}, engine)
 
 
@@ -217,6 +217,17 @@ def _task(task: Any) -> str | None:
         raise UserError(f"task got a data set ({type(task).__name__}): give the training and validation sets as one "
                         "pair, hvdtrain.fit(model, (train_set, val_set))")
     return _keep("task", task)  # hvdtrain.tasks.user takes it in whichever form it comes
+
+
+def _callbacks(callbacks: Any) -> list[str]:
+    """Objects and classes kept as this module's, names (`mymodule:MyCallback`, as --callback) as they are;
+    one alone as a list of one (a name would otherwise be taken letter by letter)."""
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, str) or not isinstance(callbacks, (list, tuple)):
+        callbacks = [callbacks]
+    return [callback if isinstance(callback, str) else _keep(f"callback_{number}", callback)
+            for number, callback in enumerate(callbacks)]
 
 
 def _optimizer(optimizer: Any) -> str:

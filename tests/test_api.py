@@ -248,6 +248,17 @@ def test_callback_objects_are_called_and_can_stop_the_run(tmp_path):
     assert callback.epochs == [1, 2] and summary["stopped"] == "two are enough" and summary["epochs"] == 2
 
 
+@pytest.mark.parametrize("callbacks", ["user_code:Recorder", ["user_code:Recorder"]], ids=["alone", "listed"])
+def test_callbacks_named_as_on_the_command_line(callbacks, tmp_path, monkeypatch):
+    """`callbacks=["mymodule:MyCallback"]`, as --callback names it (a name alone, as a list of one): before,
+    its letters were taken for callbacks."""
+    monkeypatch.setenv("HVDTRAIN_TEST_RECORD", str(tmp_path / "record"))
+    hvdtrain.fit(data=_blobs(), model="user_code:tiny_net", epochs=1, batch_size=16, callbacks=callbacks,
+                 run_dir=str(tmp_path / "run"), progress="off", engine="local")
+    hooks = [json.loads(line)["hook"] for line in (tmp_path / "record.0").read_text().splitlines()]
+    assert hooks[0] == "on_fit_start" and hooks.count("on_epoch_end") == 1 and hooks[-1] == "on_fit_end"
+
+
 def test_evaluate_predict_and_export_take_the_run_s_objects_again(tmp_path):
     """A run trained from objects is opened from Python with those objects: evaluate equals fit's last
     record, predict gives one answer per sample in order, export loads back."""
