@@ -204,6 +204,17 @@ def test_a_script_stopped_through_the_launcher_is_a_stop_not_a_failure(launcher,
     assert "worker 0" not in output and "worker rank 0" not in output, output[-3000:]
 
 
+@requires_launchers
+def test_horovodrun_s_check_build_read_by_a_reader_that_leaves_at_once_is_no_traceback():
+    """`horovodrun --check-build | head -1` (or `| true`): Horovod's print raised BrokenPipeError's traceback."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before a word is written
+    done = subprocess.run(["horovodrun", "--check-build"], env=launch_env(), stdout=write, stderr=subprocess.PIPE,
+                          text=True, timeout=60)
+    os.close(write)
+    assert done.returncode == 1 and done.stderr == "", done.stderr
+
+
 HOROVOD_MPIRUN = "mpirun --allow-run-as-root --tag-output -np 2 -H localhost:2 -bind-to none -map-by slot " \
                  "-mca pml ob1 -mca btl ^openib -mca btl_tcp_if_include lo hvdtrain fit"
 

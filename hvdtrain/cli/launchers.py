@@ -52,6 +52,9 @@ def horovodrun() -> None:
     workers = _GlooWorkers(gloo_run)
     try:
         code = launch.run_commandline()
+    except BrokenPipeError:  # `horovodrun --check-build | head -1`: the reader left, nothing failed
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush goes nowhere
+        sys.exit(1)
     except RuntimeError as err:
         message = " ".join(str(err).split())
         if "exited with non-zero status" not in message:
