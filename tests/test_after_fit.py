@@ -295,6 +295,14 @@ def test_runs_marks_an_unfinished_run(finished_digits, tmp_path, capsys):
     assert (copy / ".hvdtrain.lock").read_text()  # the note of a process that has gone
     main(["runs", str(tmp_path)])
     assert capsys.readouterr().out.splitlines()[1].endswith("stopped after epoch 1")
+    # Nor does a note naming a live Python process (its pid taken again, in a restarted container) say running.
+    import json
+    import os
+    import socket
+
+    (copy / ".hvdtrain.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    main(["runs", str(tmp_path)])
+    assert capsys.readouterr().out.splitlines()[1].endswith("stopped after epoch 1")
 
 
 # --- plan ------------------------------------------------------------------------------------

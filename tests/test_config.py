@@ -56,6 +56,9 @@ def test_hydra_s_keys_say_how_hvdtrain_names_the_same():
                                         r"build; hvdtrain's is model.name, a package.module:function \(or :Class\) given "
                                         r"its arguments from model.args$"):
         Config.from_dict({"model": {"_target_": "mymodule.Net", "hidden": 64}})
+    with pytest.raises(UserError, match=r"^config key 'train._target_' does not exist: Hydra's name for a class to "
+                                        r"build; in hvdtrain the data, model, task and optim sections each name theirs"):
+        Config.from_dict({"train": {"_target_": "lightning.Trainer"}})  # train has no name nor args
     with pytest.raises(UserError, match=r"^config key 'defaults' does not exist: Hydra's list of other config files; "
                                         r"hvdtrain reads one file \(--config\)"):
         Config.from_dict({"defaults": [{"model": "mlp"}]})

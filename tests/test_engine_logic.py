@@ -316,16 +316,25 @@ def test_threads_that_this_host_s_ranks_cannot_all_run_are_one_warning(monkeypat
     """OMP_NUM_THREADS=8 for 2 ranks on 2 cores halved the speed here, without a word."""
     from hvdtrain.engine import environment
 
-    monkeypatch.setattr(environment.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(environment, "available_cores", lambda: 2)
+    def host(cpus: int, mine: int, cgroup: int = 0) -> None:
+        monkeypatch.setattr(environment.os, "cpu_count", lambda: cpus)
+        monkeypatch.setattr(environment, "available_cores", lambda: mine)
+        monkeypatch.setattr(environment, "_cgroup_cpus", lambda: set(range(cgroup)))
+
+    host(cpus=2, mine=2)
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
-    assert environment.too_many_threads(0, 2) == ("2 processes x 8 threads (OMP_NUM_THREADS=8) on this host's 2 "
-                                                  "cores: the ranks take cores from each other and every step slows; "
-                                                  "give --threads 1")
+    assert environment.too_many_threads(0, 2) == ("8 threads per process (OMP_NUM_THREADS=8) on 2 cores for 2 "
+                                                  "processes: threads wait for cores and every step slows; give "
+                                                  "--threads 1")
     assert environment.too_many_threads(1, 2) is None  # --threads wins over OMP_NUM_THREADS
     assert environment.too_many_threads(2, 1) is None
-    assert "(--threads 3)" in environment.too_many_threads(3, 1)
+    assert "(--threads 3) on 2 cores for 1 process:" in environment.too_many_threads(3, 1)
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert environment.too_many_threads(0, 2) is None  # the default: each rank's share of the cores
-    monkeypatch.setattr(environment, "available_cores", lambda: 1)  # mpirun binds each rank to a core
-    assert environment.too_many_threads(0, 2) is None and environment.too_many_threads(2, 2) is not None
+    assert environment.too_many_threads(0, 4) is None  # more ranks than cores: one thread each is the least
+    host(cpus=2, mine=1)  # mpirun binds each rank to a core
+    assert environment.too_many_threads(0, 2) is None and environment.too_many_threads(1, 2) is None
+    assert "(--threads 2) on the 1 core each process is bound to:" in environment.too_many_threads(2, 2)
+    host(cpus=64, mine=4, cgroup=4)  # a container's 4 cores on a host of 64, shared by its ranks
+    assert environment.too_many_threads(4, 4).endswith("on 4 cores for 4 processes: threads wait for cores and every "
+                                                       "step slows; give --threads 1")

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,8 @@ from typing import Any
 import yaml
 
 from hvdtrain.config.loading import read_yaml
-from hvdtrain.io.run_lock import LOCK_FILE
 from hvdtrain.errors import UserError
+from hvdtrain.io.run_lock import held_by
 
 
 @dataclass
@@ -40,8 +41,10 @@ class RunRecord:
         done = self.epochs[-1]["epoch"] if self.epochs else 0
         if self.summary is not None and done >= (self.planned_epochs or 0):
             return "finished"
-        if _running_here(self.path):
-            return "running"
+        holder = held_by(self.path)
+        if holder is not None:
+            host = holder.get("host")
+            return "running" if host in (None, socket.gethostname()) else f"running on {host}"
         return "not started" if not done else f"stopped after epoch {done}"
 
     def best(self) -> tuple[str, float | None, int | None]:
@@ -60,24 +63,6 @@ class RunRecord:
             return float(self.summary["train_samples_per_s"])
         rates = [r["train_samples_per_s"] for r in self.epochs if "train_samples_per_s" in r]
         return sum(rates) / len(rates) if rates else None
-
-
-def _running_here(run_dir: Path) -> bool:
-    """Whether a fit on this host holds the run directory now: its lock file names the process while
-    held (io.run_lock; read, never taken: a fit starting meanwhile must find it free). A job killed
-    outright leaves the name of a process that has gone. A holder on another host is not known here."""
-    import os
-    import socket
-
-    try:
-        holder = json.loads((run_dir / LOCK_FILE).read_text() or "{}")
-        pid = int(holder.get("pid") or 0) if isinstance(holder, dict) else 0
-        if not pid or holder.get("host") != socket.gethostname():
-            return False
-        command = Path(f"/proc/{pid}/cmdline").read_bytes()  # a Python running fit, not another that took the pid
-        return b"hvdtrain" in command or b"python" in command or pid == os.getpid()
-    except (OSError, ValueError):
-        return False
 
 
 def read_run(path: Path) -> RunRecord:

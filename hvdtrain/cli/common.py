@@ -61,8 +61,11 @@ def report_and_exit(err: Exception, debug: bool) -> None:
         if err.after_rank_0:  # rank 0's own line of the same failure ends the job (and this rank) first
             time.sleep(AFTER_RANK_0_SECONDS)
         fail(str(err), err.exit_code, debug, every_rank=True)
-    if isinstance(err, RankFailed):
-        fail(str(err), UserError.exit_code if err.kind == "UserError" else 1, debug)
+    if isinstance(err, RankFailed):  # "rank 0 failed: ...": said by every rank where each has a log of its own
+        from hvdtrain.engine.environment import env_rendezvous_launched
+
+        fail(str(err), UserError.exit_code if err.kind == "UserError" else 1, debug,
+             every_rank=env_rendezvous_launched())
     if _collective_failure(err):  # another rank's failure: the failed rank, or its launcher, names it
         from hvdtrain.train.failures import leave_after_another_rank
 

@@ -26,9 +26,12 @@ OTHER_TOOLS_NAMES = {
 HYDRA_KEYS = {
     "_target_": "Hydra's name for a class to build; hvdtrain's is {section}name, a package.module:function (or "
                 ":Class) given its arguments from {section}args",
+    "_target_ elsewhere": "Hydra's name for a class to build; in hvdtrain the data, model, task and optim "
+                          "sections each name theirs (model.name, a package.module:function, with model.args)",
     "defaults": "Hydra's list of other config files; hvdtrain reads one file (--config), its keys overridden by "
                 "flags and --set",
 }
+FACTORY_SECTIONS = ("data.", "model.", "task.", "optim.")  # the sections whose `name` may be a factory, with `args`
 
 
 def homes_of(name: str, homes: dict[str, list[str]]) -> list[str]:
@@ -61,8 +64,10 @@ def reject_unknown(values: dict[str, Any], known: Any, prefix: str, homes: dict[
 def unknown_key_hint(key: str, known: Any, prefix: str, homes: dict[str, list[str]]) -> str:
     """Where the key is in another section (or under another tool's name), else the closest key here,
     else the closest anywhere, else every key here."""
-    if key in HYDRA_KEYS and (key == "defaults") == (prefix == ""):
+    if key == "_target_" and prefix in FACTORY_SECTIONS:
         return HYDRA_KEYS[key].format(section=prefix)
+    if key == "_target_" or (key == "defaults" and not prefix):
+        return HYDRA_KEYS["_target_ elsewhere" if key == "_target_" else key]
     elsewhere = homes_of(key, homes)
     if not elsewhere:
         close = difflib.get_close_matches(key, list(known), n=1)

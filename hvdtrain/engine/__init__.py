@@ -169,7 +169,7 @@ def _start(engine_type: Any, device: str, threads: int, stall_timeout: int) -> E
     global _started
     _started = engine_type.start(engine_device, stall_timeout)
     crowded = too_many_threads(threads, local_size) if engine_device.type == "cpu" else None
-    if crowded and _started.rank == 0:
+    if crowded and local_rank == 0:  # dist: one line per host (per pod, each with its log)
         print(f"hvdtrain: warning: {crowded}", file=sys.stderr, flush=True)
     _started.watch(stall_timeout, elastic=os.environ.get("HOROVOD_ELASTIC") == "1")  # dist
     return _started

@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import subprocess
+from pathlib import Path
 
 # (rank, world size, local rank, local size) as each launcher names them.
 TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -220,18 +221,37 @@ def threads_per_process(requested: int, local_size: int) -> int:
 
 
 def too_many_threads(requested: int, local_size: int) -> str | None:
-    """The warning for threads given (--threads, OMP_NUM_THREADS) that this host's ranks cannot all run at
-    once: they take cores from each other, and every step waits for the slowest (half the speed, 8 threads
-    each for 2 processes on 2 cores). None where they fit."""
+    """The warning for threads per process (--threads, OMP_NUM_THREADS) that this host's ranks cannot all
+    run at once: threads then wait for cores, and every step for the slowest (half the speed, 8 threads each
+    for 2 processes on 2 cores). The cores are this rank's own where the launcher bound each rank to some
+    (mpirun's --bind-to core), else the ones all of the host's ranks share (a container's, or the host's).
+    None where they fit, or for one thread each, which is as few as there can be."""
     threads = threads_per_process(requested, local_size)
-    cores = os.cpu_count() or 1
-    if threads <= available_cores() and threads * local_size <= cores:
+    mine, shared = available_cores(), len(_cgroup_cpus()) or (os.cpu_count() or 1)
+    bound = mine < shared
+    if threads == 1 or (threads <= mine if bound else threads * local_size <= mine):
         return None
     given = f"--threads {requested}" if requested > 0 else f"OMP_NUM_THREADS={threads}"
-    share = max(1, min(available_cores(), cores // max(1, local_size)))
-    return (f"{local_size} process{'es' if local_size > 1 else ''} x {threads} threads ({given}) on this host's "
-            f"{min(cores, available_cores() * local_size)} cores: the ranks take cores from each other and every "
-            f"step slows; give --threads {share}")
+    fits = max(1, mine if bound else mine // max(1, local_size))
+    where = f"the {mine} core{'s' if mine > 1 else ''} each process is bound to" if bound else \
+        f"{mine} core{'s' if mine > 1 else ''} for {local_size} process{'es' if local_size > 1 else ''}"
+    return f"{threads} threads per process ({given}) on {where}: threads wait for cores and every step slows; " \
+           f"give --threads {fits}"
+
+
+def _cgroup_cpus() -> set[int]:
+    """The CPUs of this process's cgroup (v2's cpuset.cpus.effective: a container's, a Slurm job's); empty
+    where it cannot be read."""
+    try:
+        text = Path("/sys/fs/cgroup/cpuset.cpus.effective").read_text().strip()
+    except OSError:
+        return set()
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        if first.isdigit() and (last or first).isdigit():
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def users_thread_count() -> int | None:

@@ -14,11 +14,13 @@ import os
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from hvdtrain.errors import UserError
 
 LOCK_FILE = ".hvdtrain.lock"
+GLANCE_SECONDS = 1.0  # how long a claim waits out another process's glance at the lock (`held_by`)
 
 _held: dict[Path, int] = {}  # run directory (resolved) -> the open lock file this process holds
 _guard = threading.Lock()  # held across a fork too: a child never sees a claim half made or let go
@@ -55,7 +57,7 @@ def claim(run_dir: Path) -> Path | None:
         if fd is None:
             return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_unless_held(fd)
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
@@ -77,6 +79,38 @@ def claim(run_dir: Path) -> Path | None:
         os.pwrite(fd, json.dumps(facts).encode(), 0)
         os.fsync(fd)  # a shared file system's other hosts read it now, not after the client's cache
     return claimed
+
+
+def _lock_unless_held(fd: int) -> None:
+    """The lock, else BlockingIOError; a moment's shared hold (`held_by`, from `hvdtrain runs`) is waited out."""
+    deadline = time.monotonic() + GLANCE_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def held_by(run_dir: Path) -> dict | None:
+    """What the run directory's lock says of its holder ({} where it says nothing) while a fit holds it, on
+    any host the file system's locks reach; None when none does. A glance: the kernel's answer, not the
+    note's (a job killed outright leaves its note, not its lock)."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(fd)
+    except OSError:  # no locks on this file system
+        return None
+    finally:
+        os.close(fd)  # lets a shared hold go at once
+    return None
 
 
 def release(claimed: Path | None) -> None:
