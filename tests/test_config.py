@@ -71,6 +71,15 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("data: [unclosed\n")
     with pytest.raises(UserError, match="not valid YAML at line"):
         load_config(bad)
+    # A section given twice lost the first's keys silently (PyYAML keeps the second); `<<:` merges still override.
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("train:\n  epochs: 3\ndata:\n  batch_size: 32\ntrain:\n  seed: 1\n")
+    with pytest.raises(UserError, match=r"^config file '.*twice.yaml' has train: twice in one mapping \(lines 1 and 5\), "
+                                        r"and YAML would keep only the second: merge them into one$"):
+        load_config(twice)
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("train:\n  <<: {epochs: 3, seed: 5}\n  epochs: 4\n")
+    assert (load_config(merged).train.epochs, load_config(merged).train.seed) == (4, 5)
     listing = tmp_path / "list.yaml"
     listing.write_text("- 1\n- 2\n")
     with pytest.raises(UserError, match="must hold a mapping"):

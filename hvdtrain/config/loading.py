@@ -16,10 +16,30 @@ from hvdtrain.config.schema import Config, key_homes, section_types_of_config
 from hvdtrain.errors import UserError
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A key given twice in one mapping, which PyYAML reads as the second alone: a `train:` section added
+    at a file's end lost every key of the first, silently."""
+
+    def __init__(self, key: str, first_line: int, second_line: int):
+        super().__init__(f"key '{key}' twice")
+        self.key, self.lines = key, (first_line, second_line)
+
+
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader, with floats as YAML 1.2 (and Python, and JSON) write them: `1e-3` and `5E-4`
     are numbers, not the strings YAML 1.1 makes of a float without a dot. A typed key survives that (its
-    coercion), but a factory's own argument (`optim.args.eps: 1e-8`) reached it as a string."""
+    coercion), but a factory's own argument (`optim.args.eps: 1e-8`) reached it as a string. A key given
+    twice in one mapping is an error (DuplicateKey), not the second alone."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
+        seen: dict[str, int] = {}
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":  # `<<:` merges
+                line = key_node.start_mark.line + 1
+                if key_node.value in seen:
+                    raise DuplicateKey(key_node.value, seen[key_node.value], line)
+                seen[key_node.value] = line
+        return super().construct_mapping(node, deep)
 
 
 class _Dumper(yaml.SafeDumper):
@@ -51,6 +71,9 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             raise UserError(f"config file '{path}' does not exist: check the path given to --config")
         try:
             raw = read_yaml(path.read_text()) or {}
+        except DuplicateKey as err:
+            raise UserError(f"config file '{path}' has {err.key}: twice in one mapping (lines {err.lines[0]} and "
+                            f"{err.lines[1]}), and YAML would keep only the second: merge them into one") from err
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
