@@ -246,6 +246,17 @@ def test_resume_given_a_path_names_the_run_directory_meant(existing_run, given, 
         hvdtrain.fit(engine="local", resume=str(checkpoints))
 
 
+def test_a_run_directory_given_as_the_config_names_its_config_file(existing_run, capsys):
+    before = snapshot(existing_run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--engine", "local", "--config", str(existing_run)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and snapshot(existing_run) == before
+    assert err.strip() == (f"hvdtrain: error: --config takes a YAML file, and '{existing_run}' is a directory: the "
+                           f"run's recipe is {existing_run / 'config.yaml'} (to go on with that run instead: --run-dir "
+                           f"{existing_run} --resume)"), err
+
+
 def resume_refused(run_dir: Path, capsys, *args: str) -> str:
     """A resume of `run_dir` with `args` changed: refused with status 2, no traceback, nothing touched; its
     error output."""

@@ -7,6 +7,8 @@ table), which become one Config, then one call (`hvdtrain.api.fit_from`, as hvdt
 
 from __future__ import annotations
 
+import os
+import shlex
 import typing
 from typing import Any, Callable, Literal, Sequence
 
@@ -21,7 +23,7 @@ def fit_options(function: Callable[..., Any]) -> Callable[..., Any]:
     """The flags of `fit`, shared with `plan` (which shows what a fit with them would do): the
     config file, each of fit's settings (config.FIT), `--set` and `--debug`."""
     options = [
-        click.option("--config", "config_path", type=UserPath(dir_okay=False), help="YAML file; flags override it."),
+        click.option("--config", "config_path", type=_ConfigFile(), help="YAML file; flags override it."),
         *(_setting_option(setting) for setting in FIT),
         click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
                      help="Any config key, e.g. --set data.num_workers=2 (repeatable)."),
@@ -53,6 +55,22 @@ def _setting_option(setting: FitSetting) -> Callable[..., Any]:
     elif annotation in (int, float):
         kwargs["type"] = annotation
     return click.option(setting.flag, **kwargs)
+
+
+class _ConfigFile(UserPath):
+    """A YAML file; a directory (a run's, given for its config.yaml) is one line naming the file meant."""
+
+    def __init__(self) -> None:
+        super().__init__(dir_okay=False)
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        folder = os.path.expanduser(value) if isinstance(value, str) else value
+        if isinstance(folder, str) and os.path.isdir(folder):
+            recipe = os.path.join(folder, "config.yaml")
+            raise UserError(f"--config takes a YAML file, and '{value}' is a directory" + (
+                f": the run's recipe is {shlex.quote(recipe)} (to go on with that run instead: --run-dir "
+                f"{shlex.quote(folder)} --resume)" if os.path.isfile(recipe) else ""))
+        return super().convert(value, param, ctx)
 
 
 class _Words(click.Choice):
