@@ -137,17 +137,17 @@ def predict(run_dir: str | Path, *, checkpoint: str = "best", data: DataLike | N
         return found
 
 
-def export(run_dir: str | Path, *, format: str = "safetensors", output: str | Path | None = None,
+def export(run_dir: str | Path, *, format: str | None = None, output: str | Path | None = None,
            checkpoint: str = "best", data: DataLike | None = None, model: ModelLike | None = None,
            overrides: Mapping[str, Any] | None = None, device: str = "auto") -> Path | None:
-    """The model as `hvdtrain export` writes it (safetensors, torchscript, pt2 or onnx), checked by
-    loading it back on a batch of the data; rank 0 writes and gets the path, the others None."""
+    """The model as `hvdtrain export` writes it (safetensors, torchscript, pt2 or onnx: by default the one
+    `output`'s name says, else safetensors), checked by loading it back on a batch of the data; rank 0
+    writes and gets the path, the others None."""
     from hvdtrain.after import export as exporting
     from hvdtrain.after.inference import part_of
     from hvdtrain.data.loading import first_batch
 
-    if format not in exporting.FORMATS:
-        raise UserError(f"format must be one of {', '.join(exporting.FORMATS)}, got '{format}'")
+    format = exporting.format_for(format, output)
 
     def work(saved: Any, engine: Any) -> Path | None:
         with engine.agree("export"):  # dist: rank 0 writes; a failure there stops every rank

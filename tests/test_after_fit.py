@@ -128,7 +128,8 @@ def test_export_under_horovodrun_loads_back_and_matches(trained, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torchscript", "onnx"])
 def test_every_export_format_is_checked_by_loading_it_back(finished_digits, fmt, tmp_path, capsys):
-    main(["export", str(finished_digits), "--format", fmt, "--output", str(tmp_path / f"model.{fmt}")])
+    given = [] if fmt == "onnx" else ["--format", fmt]  # ONNX from the file's name alone
+    main(["export", str(finished_digits), *given, "--output", str(tmp_path / f"model.{fmt}")])
     out = capsys.readouterr().out
     assert f"as {fmt} to" in out and "differ from the checkpoint's model by at most" in out
     assert float(out.rsplit("at most ", 1)[1]) <= 1e-4
@@ -139,6 +140,22 @@ def test_every_export_format_is_checked_by_loading_it_back(finished_digits, fmt,
         with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
             config = json.loads(handle.metadata()["hvdtrain.config"])
         assert config["model"]["name"] == "mlp" and handle is not None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--output", "model.pt"], "--output 'model.pt' does not say which format to write: give --format"),
+    (["--format", "onnx", "--output", "out/model.safetensors"],
+     "--format onnx and --output 'out/model.safetensors' disagree: its name says safetensors; name it out/model.onnx, "
+     "or give --format safetensors"),
+])
+def test_an_export_whose_file_name_says_another_format_or_none_is_one_line(finished_digits, args, message, tmp_path,
+                                                                           capsys, monkeypatch):
+    """safetensors went into model.onnx when --format was left out; a .pt name says none of the formats."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(finished_digits), *args])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.startswith(f"hvdtrain: error: {message}")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.fixture(scope="module")

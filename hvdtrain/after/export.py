@@ -43,6 +43,30 @@ class Exported:
     samples: int
 
 
+# What a file's name says of the format written into it (--output without --format).
+_NAMED = (("torchscript.pt", "torchscript"), ("torchscript", "torchscript"), ("safetensors", "safetensors"),
+          ("onnx", "onnx"), ("pt2", "pt2"))
+_UNSAID = (".pt", ".pth", ".bin", ".ckpt")  # torch's own names, for any of several formats
+
+
+def format_for(fmt: str | None, output: str | Path | None) -> str:
+    """The format to write: `fmt`, else the one `output`'s name says, else safetensors. A name saying
+    another format than `fmt` (`--format onnx --output model.safetensors`), or none where `fmt` is not given
+    (`model.pt`), is one line: the file would hold what its name does not say."""
+    name = Path(output).name.lower() if output else ""
+    suffix, named = next(((f".{suffix}", format) for suffix, format in _NAMED if name.endswith(f".{suffix}")),
+                         ("", None))
+    if fmt is not None and fmt not in FORMATS:
+        raise UserError(f"format must be one of {', '.join(FORMATS)}, got '{fmt}'")
+    if fmt is not None and named is not None and named != fmt:
+        raise UserError(f"--format {fmt} and --output '{output}' disagree: its name says {named}; name it "
+                        f"{str(output)[:-len(suffix)]}{FORMATS[fmt]}, or give --format {named}")
+    if fmt is None and named is None and name.endswith(_UNSAID):
+        raise UserError(f"--output '{output}' does not say which format to write: give --format "
+                        f"({', '.join(FORMATS)}), or name it by its format ({', '.join('model' + s for s in FORMATS.values())})")
+    return fmt or named or "safetensors"
+
+
 def default_path(saved: SavedRun, fmt: str) -> Path:
     return saved.run_dir / "export" / f"model{FORMATS[fmt]}"
 

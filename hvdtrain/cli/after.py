@@ -97,10 +97,10 @@ def predict(run_dir: str, checkpoint: str, data: str | None, part: str | None, b
 @click.command("export")
 @_saved_run_options
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "torchscript", "pt2", "onnx"]),
-              default="safetensors", show_default=True)
+              help="Default: the one --output's name says (model.onnx), else safetensors.")
 @click.option("--output", type=UserPath(dir_okay=False), help="File to write (default RUN_DIR/export/model.<format>).")
 def export_model(run_dir: str, checkpoint: str, data: str | None, part: str | None, batch_size: int | None,
-                 assignments: Sequence[str], device: str, debug: bool, fmt: str, output: str | None) -> None:
+                 assignments: Sequence[str], device: str, debug: bool, fmt: str | None, output: str | None) -> None:
     """The model as safetensors, TorchScript, a torch.export program or ONNX, checked by loading it back."""
     from hvdtrain.after import export
     from hvdtrain.after.inference import part_of
@@ -108,6 +108,7 @@ def export_model(run_dir: str, checkpoint: str, data: str | None, part: str | No
     from hvdtrain.after.saved_run import open_run
 
     not_stdout(output, "model")
+    fmt = export.format_for(fmt, output)
     overrides = _run_overrides(data, batch_size, device, assignments)
     part = _default_part(part, data)
 
