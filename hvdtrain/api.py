@@ -224,8 +224,9 @@ def _callbacks(callbacks: Any) -> list[str]:
     one alone as a list of one (a name would otherwise be taken letter by letter)."""
     if callbacks is None:
         return []
-    if isinstance(callbacks, str) or not isinstance(callbacks, (list, tuple)):
-        callbacks = [callbacks]
+    hooks = ("on_fit_start", "on_step_end", "on_epoch_end", "on_checkpoint", "on_fit_end")
+    alone = isinstance(callbacks, (str, type)) or any(hasattr(callbacks, hook) for hook in hooks)
+    callbacks = [callbacks] if alone or not hasattr(callbacks, "__iter__") else list(callbacks)
     return [callback if isinstance(callback, str) else _keep(f"callback_{number}", callback)
             for number, callback in enumerate(callbacks)]
 

@@ -248,7 +248,8 @@ def test_callback_objects_are_called_and_can_stop_the_run(tmp_path):
     assert callback.epochs == [1, 2] and summary["stopped"] == "two are enough" and summary["epochs"] == 2
 
 
-@pytest.mark.parametrize("callbacks", ["user_code:Recorder", ["user_code:Recorder"]], ids=["alone", "listed"])
+@pytest.mark.parametrize("callbacks", ["user_code:Recorder", ["user_code:Recorder"], iter(["user_code:Recorder"])],
+                         ids=["alone", "listed", "any iterable"])
 def test_callbacks_named_as_on_the_command_line(callbacks, tmp_path, monkeypatch):
     """`callbacks=["mymodule:MyCallback"]`, as --callback names it (a name alone, as a list of one): before,
     its letters were taken for callbacks."""

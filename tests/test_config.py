@@ -80,6 +80,12 @@ def test_missing_and_malformed_files(tmp_path):
     merged = tmp_path / "merged.yaml"
     merged.write_text("train:\n  <<: {epochs: 3, seed: 5}\n  epochs: 4\n")
     assert (load_config(merged).train.epochs, load_config(merged).train.seed) == (4, 5)
+    # An anchored mapping with a merge of its own, merged again elsewhere; an int key beside a text one.
+    from hvdtrain.config.loading import read_yaml
+
+    assert read_yaml("model:\n  args:\n    block: &b\n      <<: {width: 8}\n      width: 16\n    1: one\n"
+                     "    '1': also\ndata:\n  args:\n    <<: *b\n") == {
+        "model": {"args": {"block": {"width": 16}, 1: "one", "1": "also"}}, "data": {"args": {"width": 16}}}
     listing = tmp_path / "list.yaml"
     listing.write_text("- 1\n- 2\n")
     with pytest.raises(UserError, match="must hold a mapping"):

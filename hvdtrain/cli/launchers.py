@@ -37,6 +37,26 @@ STOPPED_GRACE_SECONDS = 30.0
 
 
 def horovodrun() -> None:
+    """Horovod's horovodrun, as the module's docstring says; output read by a reader that left (`horovodrun
+    --check-build | head -1`, whose print may wait in the buffer of a pipe until the exit) is no traceback."""
+    try:
+        _horovodrun()
+    except BrokenPipeError:
+        _reader_gone()
+    finally:
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _reader_gone()
+
+
+def _reader_gone() -> None:
+    """The reader of stdout left, nothing failed: what is still buffered goes nowhere, and the status is 1."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush goes nowhere
+    sys.exit(1)
+
+
+def _horovodrun() -> None:
     forwarding.take_signals()  # first: Horovod's runner takes a second to load, a signal may come meanwhile
 
     from horovod.runner import gloo_run, launch, mpi_run
@@ -52,9 +72,6 @@ def horovodrun() -> None:
     workers = _GlooWorkers(gloo_run)
     try:
         code = launch.run_commandline()
-    except BrokenPipeError:  # `horovodrun --check-build | head -1`: the reader left, nothing failed
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush goes nowhere
-        sys.exit(1)
     except RuntimeError as err:
         message = " ".join(str(err).split())
         if "exited with non-zero status" not in message:

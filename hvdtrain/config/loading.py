@@ -31,15 +31,18 @@ class _Loader(yaml.SafeLoader):
     coercion), but a factory's own argument (`optim.args.eps: 1e-8`) reached it as a string. A key given
     twice in one mapping is an error (DuplicateKey), not the second alone."""
 
-    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
-        seen: dict[str, int] = {}
-        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":  # `<<:` merges
-                line = key_node.start_mark.line + 1
-                if key_node.value in seen:
-                    raise DuplicateKey(key_node.value, seen[key_node.value], line)
-                seen[key_node.value] = line
-        return super().construct_mapping(node, deep)
+    def compose_mapping_node(self, anchor: Any) -> yaml.MappingNode:
+        """Each mapping as the file writes it, before a `<<:` merge elsewhere adds keys to it (merged keys
+        may repeat its own: the file's own win)."""
+        node = super().compose_mapping_node(anchor)
+        seen: dict[tuple[str, str], int] = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key, line = (key_node.tag, key_node.value), key_node.start_mark.line + 1
+                if key in seen:
+                    raise DuplicateKey(key_node.value, seen[key], line)
+                seen[key] = line
+        return node
 
 
 class _Dumper(yaml.SafeDumper):
