@@ -222,10 +222,11 @@ def _task(task: Any) -> str | None:
 def _callbacks(callbacks: Any) -> list[str]:
     """Objects and classes kept as this module's, names (`mymodule:MyCallback`, as --callback) as they are;
     one alone as a list of one (a name would otherwise be taken letter by letter)."""
+    from hvdtrain.train.callbacks import HOOKS
+
     if callbacks is None:
         return []
-    hooks = ("on_fit_start", "on_step_end", "on_epoch_end", "on_checkpoint", "on_fit_end")
-    alone = isinstance(callbacks, (str, type)) or any(hasattr(callbacks, hook) for hook in hooks)
+    alone = isinstance(callbacks, (str, type)) or any(hasattr(callbacks, hook) for hook in HOOKS)
     callbacks = [callbacks] if alone or not hasattr(callbacks, "__iter__") else list(callbacks)
     return [callback if isinstance(callback, str) else _keep(f"callback_{number}", callback)
             for number, callback in enumerate(callbacks)]

@@ -87,16 +87,15 @@ class MpirunReport:
         if JOB_ABORTED in box:
             return  # names nothing; the box after it says who
         exited, signalled = EXITED.search(box), SIGNALLED.search(box)
-        host = ""
         if exited:
-            rank, failures = int(exited.group(1)), {int(exited.group(1)): (int(exited.group(2)), 0.0)}
+            rank, code, host = int(exited.group(1)), int(exited.group(2)), ""
         elif signalled:
-            rank, failures = int(signalled.group(1)), {int(signalled.group(1)): (128 + int(signalled.group(3)), 0.0)}
+            rank, code = int(signalled.group(1)), 128 + int(signalled.group(3))
             host = _other_host(signalled.group(2).decode(errors="replace"))
         else:
             self._write(box)
             return
-        line = outcome(failures)[1]
+        line = outcome({rank: (code, 0.0)})[1]
         if line and host:  # on several hosts, where it died (the out-of-memory killer's host, say)
             line = line.replace(f"worker {rank} ", f"worker {rank} (on {host}) ", 1)
         if line:
