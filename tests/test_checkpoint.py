@@ -195,6 +195,21 @@ def test_resume_drops_a_torn_metrics_line_with_a_warning(tmp_path, capsys):
     assert [r["epoch"] for r in epoch_records(tmp_path)] == [1, 2, 3]
 
 
+def test_a_resume_names_the_settings_that_differ_from_its_checkpoint_s_run(tmp_path, capsys):
+    """A resume takes the command's settings: a flag left out of it is back to its default, said in one line.
+    How the run goes (threads, data-loader workers, the engine, the run's own flags) is not named."""
+    args = ["fit", "--data", "random", "--set", "data.samples=256", "--progress", "off", "--run-dir", str(tmp_path)]
+    main([*args, "--epochs", "1", "--lr", "0.1", "--set", "task.label_smoothing=0.1", "--threads", "1",
+          "--set", "data.num_workers=0", "--engine", "local"])
+    capsys.readouterr()
+    main([*args, "--epochs", "2", "--resume", "--set", "task.label_smoothing=0.1", "--set", "run.keep_last=2"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "settings changed" in line]
+    assert lines == ["hvdtrain: resuming with settings changed since that checkpoint: optim.lr 0.1 -> 0.05, "
+                     "train.epochs 1 -> 2"]
+    main([*args, "--epochs", "3", "--resume", "--set", "task.label_smoothing=0.1"])
+    assert "settings changed since that checkpoint: train.epochs 2 -> 3\n" in capsys.readouterr().out
+
+
 def test_resume_auto_starts_afresh_then_continues(tmp_path, capsys):
     """For requeued jobs: the same command line starts the run, then continues it."""
     args = ["fit", "--data", "random", "--set", "data.samples=256", "--progress", "off", "--engine", "local",

@@ -241,6 +241,9 @@ def restore(run: Run, config: Config, run_dir: Path,
     start = Start.of(state)
     inside = f", {start.position} samples into epoch {state['epoch'] + 1}" if start.position else ""
     say(f"hvdtrain: resuming from {path} (epoch {state['epoch']}, step {state['step']}{inside})")
+    changed = _changed_since(state.get("config", {}), config)
+    if changed:  # a resume takes this command's settings: a flag left out of it goes back to its default
+        say(f"hvdtrain: resuming with settings changed since that checkpoint: {', '.join(changed)}")
     before, now = state.get("train_samples"), _length(run.split.train)
     if start.position and state.get("stream_plan") is None and None not in (before, now) and before != now:
         say(f"hvdtrain: warning: the training set has {now} samples, {before} when this checkpoint was written: "
@@ -264,18 +267,35 @@ SHAPING_KEYS = ("data.name", "data.image_size", "data.augment", "data.features",
 
 def _settings_changed(written: dict[str, Any], config: Config) -> str:
     """`: <key> was X, now Y, ...` for the keys that shape the model and differ from the checkpoint's run."""
-    now = config.to_dict()
-    changed = []
-    for key in SHAPING_KEYS:
-        section, _, name = key.partition(".")
-        if name not in written.get(section, {}):  # a key the checkpoint's hvdtrain did not have
-            continue
-        before, after = written[section][name], now[section][name]
-        if key == "data.name" and isinstance(before, str) and str(after).endswith(os.sep + before):
-            continue  # kept relative before runs kept their data's path absolute
-        if before != after:
-            changed.append(f"{key} was {before!r}, now {after!r}")
+    changed = [f"{key} was {then!r}, now {now!r}" for key, then, now in _changes(written, config) if key in SHAPING_KEYS]
     return f" ({'; '.join(changed)})" if changed else ""
+
+
+OPERATIONAL_KEYS = ("train.device", "train.channels_last", "train.compile", "train.threads", "train.stall_timeout",
+                    "train.straggler_factor", "train.keep_freed_memory", "train.engine", "train.elastic",
+                    "train.commit_every", "train.shard_optimizer", "data.num_workers")
+"""Settings of how a run goes that leave what it learns alone (with run.*): not named when a resume changes them."""
+
+
+def _changes(written: dict[str, Any], config: Config) -> list[tuple[str, Any, Any]]:
+    """(key, the checkpoint's run's value, this run's) for each setting that differs, run.* aside."""
+    found = []
+    for section, settings in config.to_dict().items():
+        if section == "run" or not isinstance(written.get(section), dict):
+            continue
+        for name, now in settings.items():
+            key, then = f"{section}.{name}", written[section].get(name, now)  # a key its hvdtrain lacked: as now
+            if key == "data.name" and isinstance(then, str) and str(now).endswith(os.sep + then):
+                continue  # kept relative before runs kept their data's path absolute
+            if then != now:
+                found.append((key, then, now))
+    return found
+
+
+def _changed_since(written: dict[str, Any], config: Config) -> list[str]:
+    """`<key> <then> -> <now>` for each setting of what the run learns that differs from the checkpoint's run."""
+    return [f"{key} {then!r} -> {now!r}" for key, then, now in _changes(written, config)
+            if key not in OPERATIONAL_KEYS and not (key == "optim.lr_batch" and now is None)]  # None: the run's kept
 
 
 def _powersgd_state(state: dict[str, Any], engine: Engine) -> dict[str, Any] | None:
