@@ -282,7 +282,7 @@ def test_plot_overlays_runs_and_runs_lists_them(trained, finished_digits, tmp_pa
     summary = run_summary(trained)
     assert listed == [{"run": str(trained), "world_size": 2, "epochs_done": 3, "epochs": 3, "best_metric": "val_acc",
                        "best_value": summary["best_value"], "best_epoch": summary["best_epoch"],
-                       "train_samples_per_s": summary["train_samples_per_s"], "status": "finished"}]
+                       "train_samples_per_s": summary["train_samples_per_s"], "status": "finished", "error": None}]
 
 
 def test_runs_marks_an_unfinished_run(finished_digits, tmp_path, capsys):
@@ -309,15 +309,19 @@ def test_runs_marks_an_unfinished_run(finished_digits, tmp_path, capsys):
     finally:
         holder.kill()
         holder.wait()
-    assert (copy / ".hvdtrain.lock").read_text()  # the note of a process that has gone
+    assert (copy / ".hvdtrain.lock").read_text()  # the note of a process that has gone without letting go
     main(["runs", str(tmp_path)])
-    assert capsys.readouterr().out.splitlines()[1].endswith("stopped after epoch 1")
+    assert capsys.readouterr().out.splitlines()[1].endswith("crashed in epoch 2")
     # Nor does a note naming a live Python process (its pid taken again, in a restarted container) say running.
     import json
     import os
     import socket
 
     (copy / ".hvdtrain.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    main(["runs", str(tmp_path)])
+    assert capsys.readouterr().out.splitlines()[1].endswith("crashed in epoch 2")
+    # A run of an hvdtrain that kept no note, or whose lock file went: its epochs alone say where it stopped.
+    (copy / ".hvdtrain.lock").unlink()
     main(["runs", str(tmp_path)])
     assert capsys.readouterr().out.splitlines()[1].endswith("stopped after epoch 1")
 

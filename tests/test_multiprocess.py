@@ -534,6 +534,12 @@ def test_a_nan_on_one_rank_stops_every_rank_at_that_step(launcher, tmp_path):
     # Epochs 1 and 2 (steps 1-6) finished and their checkpoints are intact; nothing of step 7 was saved.
     state = torch.load(tmp_path / "r" / "checkpoints" / "last.pt", weights_only=True)
     assert state["epoch"] == 2 and all(torch.isfinite(v).all() for v in state["model"].values())
+    # `hvdtrain runs` says it failed, and why, as rank 0 said it.
+    from hvdtrain.after.runs import read_run
+
+    failed = read_run(tmp_path / "r")
+    assert failed.status == "failed in epoch 3"
+    assert failed.error.startswith("non-finite loss at step 7 on rank 1 (loss nan): training stopped on every rank")
 
 
 def test_a_nan_step_can_be_skipped_on_every_rank(tmp_path):

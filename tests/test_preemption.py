@@ -400,7 +400,11 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_a_checkpoint_and_leaves_
     output, _ = job.communicate(timeout=30)
     assert job.returncode == 75, output[-3000:]
     # Inside epoch 3 as a rule; at the end of epoch 2 when it came during that epoch's checkpoint.
-    assert len(re.findall(rf"hvdtrain: stopped by {name} at (the end of )?epoch", output)) == 1, output[-3000:]
+    said = re.findall(rf"hvdtrain: (stopped by {name} at (?:the end of )?epoch \d+, step [\d,]+)", output)
+    assert len(said) == 1, output[-3000:]
+    from hvdtrain.after.runs import read_run
+
+    assert read_run(run_dir).status == said[0]  # `hvdtrain runs` says how it stopped, as rank 0 did
     assert "Traceback" not in output and "hvdtrain: error" not in output, output[-3000:]
     assert not (run_dir / "where.json").exists()  # rank 0 ended its own way, not killed by the launcher
     # Every process of the job is gone within 30 s (the ranks, mpirun, the launcher), not only the launcher.

@@ -16,7 +16,7 @@ import yaml
 
 from hvdtrain.config.loading import read_yaml
 from hvdtrain.errors import UserError
-from hvdtrain.io.run_lock import held_by
+from hvdtrain.io.run_lock import glance
 
 
 @dataclass
@@ -39,13 +39,25 @@ class RunRecord:
     @property
     def status(self) -> str:
         done = self.epochs[-1]["epoch"] if self.epochs else 0
+        held, note = glance(self.path)
+        if held:
+            host = note.get("host")
+            return "running" if host in (None, socket.gethostname()) else f"running on {host}"
+        epoch = f"in epoch {min(done + 1, self.planned_epochs or done + 1)}"
+        if note.get("ended"):  # the last fit's own word, where it did not finish: a signal's stop, a failure
+            return note["ended"] if note["ended"].startswith("stopped") else f"{note['ended']} {epoch}"
+        if note.get("pid"):  # its note was left behind: the process ended without unwinding
+            return f"crashed {epoch}"
         if self.summary is not None and done >= (self.planned_epochs or 0):
             return "finished"
-        holder = held_by(self.path)
-        if holder is not None:
-            host = holder.get("host")
-            return "running" if host in (None, socket.gethostname()) else f"running on {host}"
+        if self.summary is not None and self.summary.get("stopped"):
+            return f"stopped early after epoch {done}"
         return "not started" if not done else f"stopped after epoch {done}"
+
+    @property
+    def error(self) -> str | None:
+        """Why the last fit failed, as it said, where it did."""
+        return glance(self.path)[1].get("error")
 
     def best(self) -> tuple[str, float | None, int | None]:
         """(metric, best value, its epoch): the summary's, or from the epochs done."""
@@ -115,5 +127,6 @@ def as_json(runs: list[RunRecord]) -> list[dict[str, Any]]:
         name, value, epoch = run.best()
         out.append({"run": str(run.path), "world_size": run.world_size, "epochs_done": run.epochs[-1]["epoch"]
                     if run.epochs else 0, "epochs": run.planned_epochs, "best_metric": name, "best_value": value,
-                    "best_epoch": epoch, "train_samples_per_s": run.samples_per_s(), "status": run.status})
+                    "best_epoch": epoch, "train_samples_per_s": run.samples_per_s(), "status": run.status,
+                    "error": run.error})
     return out

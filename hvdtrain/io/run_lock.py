@@ -20,9 +20,11 @@ from pathlib import Path
 from hvdtrain.errors import UserError
 
 LOCK_FILE = ".hvdtrain.lock"
-GLANCE_SECONDS = 1.0  # how long a claim waits out another process's glance at the lock (`held_by`)
+GLANCE_SECONDS = 1.0  # how long a claim waits out another process's glance at the lock (`glance`)
 
 _held: dict[Path, int] = {}  # run directory (resolved) -> the open lock file this process holds
+_notes: dict[Path, bytes] = {}  # run directory (resolved) -> its lock's note before this process's claim
+KEEP_THE_NOTE = {"ended": None}  # `release`'s: the fit changed nothing there (refused before it trained)
 _guard = threading.Lock()  # held across a fork too: a child never sees a claim half made or let go
 
 
@@ -72,6 +74,7 @@ def claim(run_dir: Path) -> Path | None:
             os.close(fd)
             return None
         _held[claimed] = fd
+        _notes[claimed] = _note_of(fd)
     facts = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job": os.environ.get("SLURM_JOB_ID"),
              "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0")}
     with contextlib.suppress(OSError):  # the lock holds without its note
@@ -82,7 +85,7 @@ def claim(run_dir: Path) -> Path | None:
 
 
 def _lock_unless_held(fd: int) -> None:
-    """The lock, else BlockingIOError; a moment's shared hold (`held_by`, from `hvdtrain runs`) is waited out."""
+    """The lock, else BlockingIOError; a moment's shared hold (`glance`, from `hvdtrain runs`) is waited out."""
     deadline = time.monotonic() + GLANCE_SECONDS
     while True:
         try:
@@ -94,32 +97,38 @@ def _lock_unless_held(fd: int) -> None:
             time.sleep(0.02)
 
 
-def held_by(run_dir: Path) -> dict | None:
-    """What the run directory's lock says of its holder ({} where it says nothing) while a fit holds it, on
-    any host the file system's locks reach; None when none does. A glance: the kernel's answer, not the
-    note's (a job killed outright leaves its note, not its lock)."""
+def glance(run_dir: Path) -> tuple[bool, dict]:
+    """Whether a fit holds the run directory now, and the lock's note: its holder's facts while it does; once
+    none does, how the last one ended where it did not finish (`release`), or the facts of one that ended
+    without letting go (killed, its host lost), or {}. The kernel's answer, not the note's: a glance."""
     try:
         fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
     except OSError:
-        return None
+        return False, {}
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return _holder(fd)
+        return True, _holder(fd)
     except OSError:  # no locks on this file system
-        return None
+        return False, {}
+    else:
+        return False, _holder(fd)
     finally:
         os.close(fd)  # lets a shared hold go at once
-    return None
 
 
-def release(claimed: Path | None) -> None:
-    """Lets the run directory of `claim`'s key go (its fit has ended)."""
+def release(claimed: Path | None, ended: dict | None = None) -> None:
+    """Lets the run directory of `claim`'s key go (its fit has ended). `ended`: how, where it did not finish
+    ({"ended": "failed", ...}), the lock's note for `hvdtrain runs`; KEEP_THE_NOTE: the note there was
+    before the claim (how the last fit that trained ended); else the note goes."""
     with _guard:
         fd = _held.pop(claimed, None) if claimed is not None else None
+        before = _notes.pop(claimed, b"") if claimed is not None else b""
         if fd is not None:
+            note = before if ended is KEEP_THE_NOTE else json.dumps(ended).encode() if ended else b""
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)  # no note of a holder that has gone
+                os.pwrite(fd, note, 0)
             os.close(fd)  # the lock's last descriptor (forked children closed theirs): unlocked
 
 
@@ -136,10 +145,17 @@ def _open(path: Path) -> int | None:
     return None
 
 
+def _note_of(fd: int) -> bytes:
+    try:
+        return os.pread(fd, 4096, 0)
+    except OSError:
+        return b""
+
+
 def _holder(fd: int) -> dict:
     try:
-        facts = json.loads(os.pread(fd, 4096, 0) or b"{}")
-    except (OSError, ValueError):
+        facts = json.loads(_note_of(fd) or b"{}")
+    except ValueError:
         return {}
     return facts if isinstance(facts, dict) else {}
 

@@ -19,7 +19,7 @@ import torch
 from hvdtrain.config import Config
 from hvdtrain.data.augment import on_device
 from hvdtrain.engine import Engine
-from hvdtrain.errors import UserError
+from hvdtrain.errors import StoppedBySignal, UserError
 from hvdtrain.io.checkpoint import Start
 from hvdtrain.io.progress import say
 from hvdtrain.io import run_lock
@@ -83,6 +83,7 @@ class Trainer:
         self.resumed_powersgd: dict[str, Any] | None = None
         """Rank 0, resuming with PowerSGD: every rank's errors and the factors."""
         self.loggers: Loggers | None = None
+        self.trains = False  # rank 0: its run directory is this fit's (a resume refused before: not)
 
     # --- set-up, the same for plain and elastic fit
 
@@ -107,8 +108,10 @@ class Trainer:
         self.run_dir, resuming = prepare_run_dir(run, claimed=not self.config.train.elastic)
         self.claimed = run_lock.key(self.run_dir)
         if not resuming:
+            self.trains = True
             return Start()
         start, self.resumed_optimizer, self.resumed_powersgd = restore(self.run, self.config, self.run_dir, self.engine)
+        self.trains = True
         return start
 
     def reshard(self) -> None:
@@ -122,15 +125,27 @@ class Trainer:
         (a failure's frames keep the loaders alive, and their workers would keep the process, a user's
         script too, from exiting; after a failure or a stop they are killed, not waited for), then rank
         0's claim on the run directory."""
+        ended = None
         try:
             yield
-        except BaseException:
+        except BaseException as err:
+            ended = self._how_it_ended(err) if self.trains else run_lock.KEEP_THE_NOTE
             self.end_data_workers(at_once=True)
             raise
         else:
             self.end_data_workers()
         finally:
-            run_lock.release(self.claimed)
+            run_lock.release(self.claimed, ended)
+
+    def _how_it_ended(self, err: BaseException) -> dict[str, str]:
+        """For the run directory's lock note (`hvdtrain runs`): a stop on a signal, an interrupt or a failure."""
+        if isinstance(err, StoppedBySignal):  # "stopped by SIGTERM at epoch 3, step 1,234: checkpoint written..."
+            return {"ended": str(err).partition(":")[0]}
+        if isinstance(err, KeyboardInterrupt):
+            return {"ended": "interrupted"}
+        if self.engine.is_engine_signal(err):
+            return {"ended": "failed", "error": "another rank failed or left"}
+        return {"ended": "failed", "error": (str(err).strip().splitlines() or [type(err).__name__])[0][:300]}
 
     def end_data_workers(self, at_once: bool = False) -> None:
         current = getattr(self, "shard", None)
