@@ -418,6 +418,66 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_a_checkpoint_and_leaves_
     assert_same_weights(final_weights(ten_epochs), final_weights(run_dir), atol=1e-6)
 
 
+# A closed terminal (an ssh session dropped, a laptop shut) hangs up the job's launcher: SIGHUP.
+HANG_UPS = ["torchrun", "horovodrun-gloo", "horovodrun-mpi", "nohup+torchrun"]
+
+
+@pytest.mark.parametrize("launcher", HANG_UPS)
+def test_closing_the_terminal_stops_every_rank_with_a_checkpoint_unless_the_job_was_started_with_nohup(launcher,
+                                                                                                       tmp_path):
+    """The kernel's SIGHUP goes to the launcher, the terminal's session leader here: every rank stops at one
+    step with a checkpoint (status 75), as for SIGTERM (torchrun's workers died of it; Horovod's Gloo launch
+    lost a process of its own, whose successor printed tracebacks). Under nohup the job trains on to its end."""
+    import fcntl
+    import pty
+    import termios
+
+    import psutil
+
+    from hvdtrain.after.runs import read_run
+
+    nohup, launcher = launcher.startswith("nohup+"), launcher.removeprefix("nohup+")
+    run_dir, log = tmp_path / "run", tmp_path / "log"
+    master, terminal = pty.openpty()
+
+    def on_the_terminal() -> None:  # its session's leader, the terminal its controlling one
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        if nohup:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    with open(log, "w") as out:
+        job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *ARGS, "--epochs", "6", "--run-dir",
+                                str(run_dir)], env={**launch_env(), "HVDTRAIN_TEST_SIGNAL": ""}, stdin=terminal,
+                               stdout=out, stderr=subprocess.STDOUT, preexec_fn=on_the_terminal)
+    os.close(terminal)
+    family = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / "checkpoints" / "epoch-0001.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert job.poll() is None, log.read_text()[-3000:]
+        launched = psutil.Process(job.pid)
+        family = [launched, *launched.children(recursive=True)]
+    finally:
+        os.close(master)  # the hang-up
+    code = job.wait(timeout=60)
+    output = log.read_text()
+    assert "Traceback" not in output and "hvdtrain: error" not in output, output[-3000:]
+    if nohup:
+        assert code == 0, output[-3000:]
+        assert read_run(run_dir).status == "finished"
+        return
+    assert code == 75, output[-3000:]
+    said = re.findall(r"hvdtrain: (stopped by SIGHUP at (?:the end of )?epoch \d+, step [\d,]+)", output)
+    assert len(said) == 1, output[-3000:]
+    assert read_run(run_dir).status == said[0]
+    hung_up = time.monotonic()
+    while [p for p in family if _alive(p)] and time.monotonic() < hung_up + 30:
+        time.sleep(0.1)
+    assert not [p.cmdline() for p in family if _alive(p)]
+
+
 @pytest.mark.parametrize("launcher", ["horovodrun-mpi", "horovodrun-gloo"])
 def test_ctrl_c_in_a_terminal_stops_every_rank_with_a_checkpoint_however_long_it_takes(launcher, uninterrupted,
                                                                                       tmp_path):

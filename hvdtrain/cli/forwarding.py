@@ -1,6 +1,6 @@
 """Passing a stop signal from a launcher on to its ranks: the `horovodrun` and `torchrun` entries
-(`launchers`) and a pod's PID 1 (`pod`). SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 (a scheduler's, a
-user's kill or Ctrl-C) go to the rank processes below, which stop together at one step with a
+(`launchers`) and a pod's PID 1 (`pod`). SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 (a scheduler's,
+a user's kill or Ctrl-C, the terminal closed) go to the rank processes below, which stop together at one step with a
 checkpoint; not to mpirun (which would end them itself), the shells around them or their
 data-loader workers.
 """
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 # What a rank notes from its first moment instead of dying (hvdtrain.train.early_signals.HELD).
 HELD_BY_STARTING_RANKS = (signal.SIGUSR1,)
 RANKS_START_SECONDS = 30.0
@@ -169,7 +169,24 @@ def take_signals() -> None:
     import psutil  # noqa: F401
 
     for number in FORWARDED:
-        signal.signal(number, forward_to_ranks)
+        if number != signal.SIGHUP or signal.getsignal(number) != signal.SIG_IGN:  # nohup's jobs outlive the terminal
+            signal.signal(number, forward_to_ranks)
+
+
+def tracker_outlives_a_hang_up() -> None:
+    """Starts multiprocessing's resource tracker (Horovod's Gloo launch uses its semaphores) ignoring
+    SIGHUP: in the terminal's process group, it died when the terminal closed while the ranks stopped,
+    and its successor printed a KeyError traceback for each semaphore let go after (a log file kept them)."""
+    from multiprocessing import resource_tracker
+
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+        resource_tracker.ensure_running()
+        return
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # an ignored signal stays ignored across exec
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def ranks_below() -> list:

@@ -58,6 +58,7 @@ def _reader_gone() -> None:
 
 def _horovodrun() -> None:
     forwarding.take_signals()  # first: Horovod's runner takes a second to load, a signal may come meanwhile
+    forwarding.tracker_outlives_a_hang_up()
 
     from horovod.runner import gloo_run, launch, mpi_run
 
@@ -222,6 +223,8 @@ class _PeerGoneHeldBack:
 
 def torchrun() -> None:
     forwarding.take_signals()  # first: torch takes a second to load; SIGUSR1/2 too, which torchrun leaves to their default
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:  # nohup's: the agent, and the workers after it, keep it so
+        os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGQUIT")  # --signals-to-handle
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

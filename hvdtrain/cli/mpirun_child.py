@@ -3,7 +3,6 @@ process group of its own, ended with the entry."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -23,12 +22,12 @@ class MpirunAsChild:
     with its status: exec'd in place, a signal to horovodrun reached only the shell it became,
     which died and left mpirun and the ranks running.
 
-    mpirun runs in a process group of its own, so a terminal's Ctrl-C reaches this entry alone, which
-    passes it to the ranks here (`forward_to_ranks`; with none here, to mpirun) and exits with their 75.
-    Given the SIGINT too, mpirun sent the ranks SIGTERM a second later and SIGKILL a second after that
-    (Open MPI's odls_base_sigkill_timeout), killing them in the checkpoint of the stop. What ended the
-    job before still does: a hang-up (the terminal closed) is passed to mpirun, and mpirun gets one too
-    when this entry dies (kill -9 of the job, `timeout -k`), which ends its ranks. Its stderr passes
+    mpirun runs in a process group of its own, so a terminal's Ctrl-C or hang-up (the terminal closed)
+    reaches this entry alone, which passes it to the ranks here (`forward_to_ranks`; with none here, to
+    mpirun) and exits with their 75. Given the SIGINT too, mpirun sent the ranks SIGTERM a second later
+    and SIGKILL a second after that (Open MPI's odls_base_sigkill_timeout), killing them in the
+    checkpoint of the stop. mpirun gets SIGHUP when this entry dies (kill -9 of the job, `timeout -k`),
+    which ends its ranks. Its stderr passes
     through this entry, which says Open MPI's report of the job's end in one line (`MpirunReport`)."""
 
     def __getattr__(self, name: str) -> object:
@@ -39,15 +38,6 @@ class MpirunAsChild:
         if len(args) == 3 and args[1] == "-c":  # Horovod's `sh -c "mpirun ..."`: mpirun in the shell's place,
             args = [args[0], "-c", f"exec {with_site_transports(args[2], env)}"]  # this entry's child, whom a
             # signal here can reach
-        mpirun: subprocess.Popen | None = None
-
-        def pass_hang_up(number: int, frame: object) -> None:
-            if mpirun is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(mpirun.pid, number)
-
-        if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # nohup's jobs outlive the terminal
-            signal.signal(signal.SIGHUP, pass_hang_up)
         forwarding.launch_begins()  # the job itself, after Horovod's probes
         mpirun = subprocess.Popen(args, executable=path, env=env, preexec_fn=_alone_and_ends_with(os.getpid()),
                                   stderr=subprocess.PIPE)

@@ -117,10 +117,11 @@ class RunConfig:
     checkpoint_every_minutes: Optional[float] = None
     """Also write a checkpoint inside an epoch once this many minutes have passed since the last one
     (rank 0's clock; unset: off). dist: every rank learns it in the per-step stop check."""
-    stop_signals: str = "SIGTERM,SIGINT,SIGUSR1"
+    stop_signals: str = "SIGTERM,SIGINT,SIGUSR1,SIGHUP"
     """Signals (comma-separated; empty: none) that make every rank stop at the same optimizer step,
     write a checkpoint there and exit with status 75 (continue with --resume). A second one ends the
-    process at once. dist: a signal to any one rank stops them all (see stop_check_seconds)."""
+    process at once. SIGHUP (the terminal closed) stays ignored where the job was started so (nohup).
+    dist: a signal to any one rank stops them all (see stop_check_seconds)."""
     stop_check_seconds: float = 0.5
     """dist: about how often, in seconds of training, the ranks check together for a stop signal (one
     tiny allreduce, at steps rank 0 picks from the step time); 0: after every optimizer step."""

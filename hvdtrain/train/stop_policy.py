@@ -53,6 +53,8 @@ class StopSignals:
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # Python takes signals there only
             for number in self.numbers:
+                if number == signal.SIGHUP and signal.getsignal(number) == signal.SIG_IGN:
+                    continue  # nohup's: the job outlives the terminal, as it was started to
                 self._previous[number] = _before_stop_signals(signal.signal(number, self._note), number)
             # Then the one that came while fit was starting: no moment without a handler in between.
             early, originals = early_signals.take_over(set(self.numbers))
