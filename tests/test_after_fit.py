@@ -324,6 +324,12 @@ def test_runs_marks_an_unfinished_run(finished_digits, tmp_path, capsys):
     (copy / ".hvdtrain.lock").unlink()
     main(["runs", str(tmp_path)])
     assert capsys.readouterr().out.splitlines()[1].endswith("stopped after epoch 1")
+    # A finished run is finished, whatever an earlier fit's note says (a fit without the lock finished it).
+    (copy / ".hvdtrain.lock").write_text(json.dumps({"ended": "failed", "error": "boom"}))
+    shutil.copy(finished_digits / "summary.json", copy)
+    shutil.copy(finished_digits / "metrics.jsonl", copy)
+    main(["runs", str(tmp_path)])
+    assert capsys.readouterr().out.splitlines()[1].endswith("finished")
 
 
 # --- plan ------------------------------------------------------------------------------------

@@ -419,7 +419,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_a_checkpoint_and_leaves_
 
 
 # A closed terminal (an ssh session dropped, a laptop shut) hangs up the job's launcher: SIGHUP.
-HANG_UPS = ["torchrun", "horovodrun-gloo", "horovodrun-mpi", "nohup+torchrun"]
+HANG_UPS = ["torchrun", "horovodrun-gloo", "horovodrun-mpi", "nohup+torchrun", "nohup+alone"]
 
 
 @pytest.mark.parametrize("launcher", HANG_UPS)
@@ -427,7 +427,8 @@ def test_closing_the_terminal_stops_every_rank_with_a_checkpoint_unless_the_job_
                                                                                                        tmp_path):
     """The kernel's SIGHUP goes to the launcher, the terminal's session leader here: every rank stops at one
     step with a checkpoint (status 75), as for SIGTERM (torchrun's workers died of it; Horovod's Gloo launch
-    lost a process of its own, whose successor printed tracebacks). Under nohup the job trains on to its end."""
+    lost a process of its own, whose successor printed tracebacks). Under nohup the job trains on to its end
+    (alone: the rank is the session's leader, which the kernel's SIGHUP reaches itself)."""
     import fcntl
     import pty
     import termios
@@ -447,7 +448,7 @@ def test_closing_the_terminal_stops_every_rank_with_a_checkpoint_unless_the_job_
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     with open(log, "w") as out:
-        job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *ARGS, "--epochs", "6", "--run-dir",
+        job = subprocess.Popen([*LAUNCHERS.get(launcher, []), "hvdtrain", "fit", *ARGS, "--epochs", "6", "--run-dir",
                                 str(run_dir)], env={**launch_env(), "HVDTRAIN_TEST_SIGNAL": ""}, stdin=terminal,
                                stdout=out, stderr=subprocess.STDOUT, preexec_fn=on_the_terminal)
     os.close(terminal)
@@ -600,7 +601,7 @@ def test_the_launcher_killed_ends_every_rank(launcher, tmp_path):
     env = {**launch_env(), "HVDTRAIN_TEST_SIGNAL": "", "HVDTRAIN_TEST_DROPOUT": "0.2"}
     log = tmp_path / "log"
     with log.open("w") as out:
-        job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *ARGS, "--epochs", "5000", "--run-dir",
+        job = subprocess.Popen([*LAUNCHERS.get(launcher, []), "hvdtrain", "fit", *ARGS, "--epochs", "5000", "--run-dir",
                                 str(run_dir)], env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while not (run_dir / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:

@@ -63,6 +63,30 @@ def test_the_sigterm_of_torchrun_s_agent_dying_during_a_stop_does_not_insist():
     assert done.returncode == 0 and done.stdout == "still stopping True\n", done
 
 
+def test_two_stop_signals_at_once_are_one_stop_and_a_later_one_ends_the_command_with_a_word_for_runs(tmp_path):
+    """A logout sends SIGTERM with the terminal's SIGHUP: one stop, not a second signal that insists. One
+    later does, and ends the command as its default would; `hvdtrain runs` reads how in the lock's note."""
+    import json
+
+    done = subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys, time\n"
+        "from pathlib import Path\n"
+        "from hvdtrain.io import run_lock\n"
+        "from hvdtrain.train import early_signals\n"
+        "from hvdtrain.train.stop_policy import StopSignals\n"
+        "early_signals.in_the_command_s_process()\n"
+        "run_lock.claim(Path(sys.argv[1]))\n"
+        "with StopSignals('SIGTERM,SIGHUP') as signals:\n"
+        "    os.kill(os.getpid(), signal.SIGHUP); time.sleep(0.01)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.01)\n"
+        "    print('one stop', signals.received == signal.SIGHUP, flush=True)\n"
+        "    time.sleep(early_signals.SAME_DELIVERY_SECONDS)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.5)\n"
+        "    print('not reached', flush=True)\n"), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == -signal.SIGTERM and done.stdout == "one stop True\n", done
+    assert json.loads((tmp_path / ".hvdtrain.lock").read_text()) == {"ended": "ended by a second SIGTERM"}
+
+
 def test_a_process_forked_from_a_torchrun_worker_has_its_own_parent(monkeypatch):
     """A script that imported hvdtrain and forks (multiprocessing's default on Linux) runs fit in a child
     whose parent is the worker, not the agent: that is no agent's death."""

@@ -66,6 +66,10 @@ def _assert_stall_report(output: str, run_dir: Path, stuck: str, code_line: int 
             "dataloader.py" in stuck_report), stuck_report
     assert "Thread MainThread" in (kept[0] / f"rank-{waiter}.txt").read_text()
     assert not (run_dir / "where.json").exists()  # no job answers there any more
+    from hvdtrain.after.runs import read_run
+
+    ended = read_run(run_dir)  # `hvdtrain runs` says it failed, not that it crashed
+    assert ended.status.startswith("failed in epoch") and ended.error.startswith("the job stalled"), ended.status
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left: {left}"

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 from dataclasses import dataclass, field
@@ -36,20 +37,28 @@ class RunRecord:
         source = self.summary or (self.epochs[-1] if self.epochs else {})
         return source.get("world_size")
 
+    @functools.cached_property
+    def lock(self) -> tuple[bool, dict]:
+        """Whether a fit holds the run directory, and its lock's note (run_lock.glance), once per record."""
+        return glance(self.path)
+
     @property
     def status(self) -> str:
         done = self.epochs[-1]["epoch"] if self.epochs else 0
-        held, note = glance(self.path)
+        held, note = self.lock
         if held:
             host = note.get("host")
             return "running" if host in (None, socket.gethostname()) else f"running on {host}"
-        epoch = f"in epoch {min(done + 1, self.planned_epochs or done + 1)}"
-        if note.get("ended"):  # the last fit's own word, where it did not finish: a signal's stop, a failure
-            return note["ended"] if note["ended"].startswith("stopped") else f"{note['ended']} {epoch}"
-        if note.get("pid"):  # its note was left behind: the process ended without unwinding
-            return f"crashed {epoch}"
         if self.summary is not None and done >= (self.planned_epochs or 0):
             return "finished"
+        epoch = f"in epoch {min(done + 1, self.planned_epochs or done + 1)}"
+        ended = note.get("ended")
+        if isinstance(ended, str) and ended:  # the last fit's own word: a signal's stop, a failure
+            return ended if ended.startswith("stopped by") else f"{ended} {epoch}"
+        if note.get("pid"):  # its note was left behind: the process ended without unwinding
+            host = note.get("host")
+            return f"crashed {epoch}" if host in (None, socket.gethostname()) else \
+                f"crashed {epoch} on {host} (or running there, beyond this file system's locks)"
         if self.summary is not None and self.summary.get("stopped"):
             return f"stopped early after epoch {done}"
         return "not started" if not done else f"stopped after epoch {done}"
@@ -57,7 +66,8 @@ class RunRecord:
     @property
     def error(self) -> str | None:
         """Why the last fit failed, as it said, where it did."""
-        return glance(self.path)[1].get("error")
+        error = self.lock[1].get("error")
+        return str(error) if error else None
 
     def best(self) -> tuple[str, float | None, int | None]:
         """(metric, best value, its epoch): the summary's, or from the epochs done."""

@@ -174,19 +174,17 @@ def take_signals() -> None:
 
 
 def tracker_outlives_a_hang_up() -> None:
-    """Starts multiprocessing's resource tracker (Horovod's Gloo launch uses its semaphores) ignoring
-    SIGHUP: in the terminal's process group, it died when the terminal closed while the ranks stopped,
-    and its successor printed a KeyError traceback for each semaphore let go after (a log file kept them)."""
+    """Starts multiprocessing's resource tracker (Horovod's Gloo launch uses its semaphores) with SIGHUP
+    blocked, as it stays there: in the terminal's process group, it died when the terminal closed while
+    the ranks stopped, and its successor printed a KeyError traceback for each semaphore let go after. Blocked
+    here meanwhile, not ignored: a hang-up in that moment waits, and is passed on after it."""
     from multiprocessing import resource_tracker
 
-    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
-        resource_tracker.ensure_running()
-        return
-    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # an ignored signal stays ignored across exec
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
     try:
         resource_tracker.ensure_running()
     finally:
-        signal.signal(signal.SIGHUP, before)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def ranks_below() -> list:

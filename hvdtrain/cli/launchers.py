@@ -223,7 +223,8 @@ class _PeerGoneHeldBack:
 
 def torchrun() -> None:
     forwarding.take_signals()  # first: torch takes a second to load; SIGUSR1/2 too, which torchrun leaves to their default
-    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:  # nohup's: the agent, and the workers after it, keep it so
+    nohup = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    if nohup:  # the agent, and the workers after it, keep ignoring it (a torch without the option: below)
         os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGQUIT")  # --signals-to-handle
     import logging
 
@@ -248,7 +249,8 @@ def torchrun() -> None:
     # signal lets them stop together, and the agent reports their exit as for any other.
     from torch.distributed.elastic.multiprocessing import api
 
-    api._terminate_process_handler = forward_to_ranks
+    api._terminate_process_handler = lambda number, frame: None if nohup and number == signal.SIGHUP else \
+        forward_to_ranks(number, frame)
     forwarding.launch_begins(_raise_in_the_agent)
     code = 0
     try:

@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> None:
         else:
             child.send_signal(number)
 
-    for number in FORWARDED:  # before the command starts: as PID 1, a signal without a handler is lost
+    # Before the command starts: as PID 1, a signal without a handler is lost. A pod has no terminal to
+    # close, and SIGHUP there means "reload" (sshd's restarts itself on it instead of ending).
+    for number in set(FORWARDED) - {signal.SIGHUP}:
         signal.signal(number, pass_on)
     launch_begins()  # the command is the job: a signal no rank took goes to it
     child = subprocess.Popen(command)

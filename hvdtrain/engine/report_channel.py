@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any, Callable, NoReturn
 
+from hvdtrain.io import run_lock
+
 ANSWER_SECONDS = 5.0
 """How long rank 0 waits for the ranks' reports; one that has not answered by then is reported as silent."""
 LEAVE_AFTER_SECONDS = 2.0
@@ -38,6 +40,7 @@ def end_process(status: int = 1) -> NoReturn:
     """Ends this rank at once, from any thread, wherever its training thread is stuck: its data-loader
     workers first (they leave stop signals to their rank, and one stuck in the user's code would outlive
     it), then the process, without unwinding."""
+    run_lock.note_ending({"ended": "failed", "error": "the job stalled (rank 0's log says where each rank waited)"})
     for child in multiprocessing.active_children():
         with contextlib.suppress(OSError):
             os.kill(child.pid, signal.SIGKILL)

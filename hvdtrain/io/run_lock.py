@@ -132,6 +132,15 @@ def release(claimed: Path | None, ended: dict | None = None) -> None:
             os.close(fd)  # the lock's last descriptor (forked children closed theirs): unlocked
 
 
+def note_ending(ended: dict) -> None:
+    """How this process's fit ends, written into each lock it holds now, for a process about to end without
+    unwinding (a stall, a second signal): `release` would not run to write it."""
+    for fd in list(_held.values()):
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(ended).encode(), 0)
+
+
 def _open(path: Path) -> int | None:
     """The lock file, made if need be; read-only where it is another user's (flock needs no more)."""
     try:

@@ -22,6 +22,7 @@ from hvdtrain.config.schema import signal_numbers
 from hvdtrain.engine import Engine
 from hvdtrain.engine.parent_death import agent_gone
 from hvdtrain.errors import StoppedBySignal
+from hvdtrain.io import run_lock
 from hvdtrain.train import early_signals
 from hvdtrain.train.callbacks import Callbacks, StoppedEarly
 
@@ -84,17 +85,21 @@ class StopSignals:
         now = time.monotonic()
         if self._stopped_at is not None:  # fit has returned, and the process went on
             late = now - max(self._stopped_at, self._received_at) < self.SAME_DELIVERY_SECONDS
-            if late and self.received in (None, number):
-                return  # a late copy of the signal that stopped it (another rank's, where None)
+            if late:
+                return  # a late copy of the stop (another rank's, or another signal of the same stop)
             self._give_back()
             signal.raise_signal(number)  # to the process's own handler, as if fit had never been
             return
         if self.received is not None:
-            if number == self.received and now - self._received_at < self.SAME_DELIVERY_SECONDS:
+            # Within the window, any stop signal is the same stop reaching this process again: a launcher's
+            # copy, or a logout's SIGTERM with the terminal's SIGHUP.
+            if now - self._received_at < self.SAME_DELIVERY_SECONDS:
                 return
             if number == signal.SIGTERM and agent_gone():  # torchrun's agent died: its word, not a user's
                 return
             # Insisting: die as this signal would; in a process that goes on, its own handler takes it.
+            if early_signals.in_the_command():
+                run_lock.note_ending({"ended": f"ended by a second {signal.Signals(number).name}"})
             signal.signal(number, signal.SIG_DFL if early_signals.in_the_command() else
                           self._previous.get(number, signal.SIG_DFL))
             signal.raise_signal(number)
