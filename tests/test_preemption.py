@@ -418,17 +418,29 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_a_checkpoint_and_leaves_
     assert_same_weights(final_weights(ten_epochs), final_weights(run_dir), atol=1e-6)
 
 
-# A closed terminal (an ssh session dropped, a laptop shut) hangs up the job's launcher: SIGHUP.
+# A closed terminal (an ssh session dropped, a laptop shut): the kernel hangs up the terminal's session leader,
+# a shell, which passes SIGHUP to its jobs' process groups. This stand-in for it runs the job in a group of its
+# own, under nohup or not, and exits with its status.
+SHELL = ("import os, signal, subprocess, sys\n"
+         "nohup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if sys.argv[1] == 'nohup' else None\n"
+         "job = subprocess.Popen(sys.argv[2:], process_group=0, preexec_fn=nohup)\n"
+         "def hang_up(number, frame):\n"
+         "    try:\n"
+         "        os.killpg(job.pid, signal.SIGHUP)\n"
+         "    except ProcessLookupError:\n"
+         "        pass\n"
+         "signal.signal(signal.SIGHUP, hang_up)\n"
+         "code = job.wait()\n"
+         "sys.exit(code if code >= 0 else 128 - code)\n")
 HANG_UPS = ["torchrun", "horovodrun-gloo", "horovodrun-mpi", "nohup+torchrun", "nohup+alone"]
 
 
 @pytest.mark.parametrize("launcher", HANG_UPS)
 def test_closing_the_terminal_stops_every_rank_with_a_checkpoint_unless_the_job_was_started_with_nohup(launcher,
                                                                                                        tmp_path):
-    """The kernel's SIGHUP goes to the launcher, the terminal's session leader here: every rank stops at one
-    step with a checkpoint (status 75), as for SIGTERM (torchrun's workers died of it; Horovod's Gloo launch
-    lost a process of its own, whose successor printed tracebacks). Under nohup the job trains on to its end
-    (alone: the rank is the session's leader, which the kernel's SIGHUP reaches itself)."""
+    """Every rank stops at one step with a checkpoint (status 75), as for SIGTERM (torchrun's workers died of
+    it; Horovod's Gloo launch lost a process of its own, whose successor printed tracebacks). Under nohup the
+    job trains on to its end (torchrun's agent ended its workers)."""
     import fcntl
     import pty
     import termios
@@ -441,28 +453,26 @@ def test_closing_the_terminal_stops_every_rank_with_a_checkpoint_unless_the_job_
     run_dir, log = tmp_path / "run", tmp_path / "log"
     master, terminal = pty.openpty()
 
-    def on_the_terminal() -> None:  # its session's leader, the terminal its controlling one
+    def on_the_terminal() -> None:  # the shell leads its session, the terminal its controlling one
         os.setsid()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-        if nohup:
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     with open(log, "w") as out:
-        job = subprocess.Popen([*LAUNCHERS.get(launcher, []), "hvdtrain", "fit", *ARGS, "--epochs", "6", "--run-dir",
-                                str(run_dir)], env={**launch_env(), "HVDTRAIN_TEST_SIGNAL": ""}, stdin=terminal,
-                               stdout=out, stderr=subprocess.STDOUT, preexec_fn=on_the_terminal)
+        shell = subprocess.Popen([sys.executable, "-c", SHELL, "nohup" if nohup else "-",
+                                  *LAUNCHERS.get(launcher, []), "hvdtrain", "fit", *ARGS, "--epochs", "6",
+                                  "--run-dir", str(run_dir)], env={**launch_env(), "HVDTRAIN_TEST_SIGNAL": ""},
+                                 stdin=terminal, stdout=out, stderr=subprocess.STDOUT, preexec_fn=on_the_terminal)
     os.close(terminal)
     family = []
     try:
         deadline = time.monotonic() + 60
         while not (run_dir / "checkpoints" / "epoch-0001.pt").exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert job.poll() is None, log.read_text()[-3000:]
-        launched = psutil.Process(job.pid)
-        family = [launched, *launched.children(recursive=True)]
+        assert shell.poll() is None, log.read_text()[-3000:]
+        family = psutil.Process(shell.pid).children(recursive=True)
     finally:
         os.close(master)  # the hang-up
-    code = job.wait(timeout=60)
+    code = shell.wait(timeout=60)
     output = log.read_text()
     assert "Traceback" not in output and "hvdtrain: error" not in output, output[-3000:]
     if nohup:
@@ -476,7 +486,7 @@ def test_closing_the_terminal_stops_every_rank_with_a_checkpoint_unless_the_job_
     hung_up = time.monotonic()
     while [p for p in family if _alive(p)] and time.monotonic() < hung_up + 30:
         time.sleep(0.1)
-    assert not [p.cmdline() for p in family if _alive(p)]
+    assert not [p.pid for p in family if _alive(p)]
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun-mpi", "horovodrun-gloo"])

@@ -25,7 +25,9 @@ GLANCE_SECONDS = 1.0  # how long a claim waits out another process's glance at t
 _held: dict[Path, int] = {}  # run directory (resolved) -> the open lock file this process holds
 _notes: dict[Path, bytes] = {}  # run directory (resolved) -> its lock's note before this process's claim
 KEEP_THE_NOTE = {"ended": None}  # `release`'s: the fit changed nothing there (refused before it trained)
-_guard = threading.Lock()  # held across a fork too: a child never sees a claim half made or let go
+# Held across a fork too: a child never sees a claim half made or let go. Re-entrant: `note_ending` may come
+# from a signal handler on a thread inside `claim` or `release`.
+_guard = threading.RLock()
 
 
 def _forget_in_child() -> None:
@@ -135,10 +137,15 @@ def release(claimed: Path | None, ended: dict | None = None) -> None:
 def note_ending(ended: dict) -> None:
     """How this process's fit ends, written into each lock it holds now, for a process about to end without
     unwinding (a stall, a second signal): `release` would not run to write it."""
-    for fd in list(_held.values()):
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(ended).encode(), 0)
+    if not _guard.acquire(timeout=1.0):  # a claim or release under way: no descriptor that may be closed now
+        return
+    try:
+        for fd in list(_held.values()):
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(ended).encode(), 0)
+    finally:
+        _guard.release()
 
 
 def _open(path: Path) -> int | None:
