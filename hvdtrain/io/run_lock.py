@@ -79,10 +79,7 @@ def claim(run_dir: Path) -> Path | None:
         _notes[claimed] = _note_of(fd)
     facts = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job": os.environ.get("SLURM_JOB_ID"),
              "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0")}
-    with contextlib.suppress(OSError):  # the lock holds without its note
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(facts).encode(), 0)
-        os.fsync(fd)  # a shared file system's other hosts read it now, not after the client's cache
+    _write_note(fd, json.dumps(facts).encode(), sync=True)  # the lock holds without its note
     return claimed
 
 
@@ -127,10 +124,8 @@ def release(claimed: Path | None, ended: dict | None = None) -> None:
         fd = _held.pop(claimed, None) if claimed is not None else None
         before = _notes.pop(claimed, b"") if claimed is not None else b""
         if fd is not None:
-            note = before if ended is KEEP_THE_NOTE else json.dumps(ended).encode() if ended else b""
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)  # no note of a holder that has gone
-                os.pwrite(fd, note, 0)
+            # No note of a holder that has gone: how it ended, or the note before it, or none.
+            _write_note(fd, before if ended is KEEP_THE_NOTE else json.dumps(ended).encode() if ended else b"")
             os.close(fd)  # the lock's last descriptor (forked children closed theirs): unlocked
 
 
@@ -141,9 +136,7 @@ def note_ending(ended: dict) -> None:
         return
     try:
         for fd in list(_held.values()):
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps(ended).encode(), 0)
+            _write_note(fd, json.dumps(ended).encode())
     finally:
         _guard.release()
 
@@ -159,6 +152,16 @@ def _open(path: Path) -> int | None:
         pass
     sys.stderr.write(f"hvdtrain: warning: cannot open {path}: this run does not lock its run directory\n")
     return None
+
+
+def _write_note(fd: int, note: bytes, sync: bool = False) -> None:
+    """The lock file's note replaced (`sync`: a shared file system's other hosts read it now, not after the
+    client's cache); a note that cannot be written is left out."""
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, note, 0)
+        if sync:
+            os.fsync(fd)
 
 
 def _note_of(fd: int) -> bytes:

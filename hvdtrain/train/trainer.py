@@ -107,10 +107,10 @@ class Trainer:
         run = after_a_restart(self.config.run, say)
         self.run_dir, resuming = prepare_run_dir(run, claimed=not self.config.train.elastic)
         self.claimed = run_lock.key(self.run_dir)
-        if not resuming:
-            self.trains = True
-            return Start()
-        start, self.resumed_optimizer, self.resumed_powersgd = restore(self.run, self.config, self.run_dir, self.engine)
+        start = Start()
+        if resuming:
+            start, self.resumed_optimizer, self.resumed_powersgd = restore(self.run, self.config, self.run_dir,
+                                                                           self.engine)
         self.trains = True
         return start
 
