@@ -63,14 +63,10 @@ class AnotherRankFailed(Exception):
 
 class FailedAt(Exception):
     """The user's code (a Dataset, the model, the task) raised on this rank mid-run: one line from
-    this rank naming where, exit status 1. The original exception is its __cause__."""
+    this rank naming where (after rank 0's own, where it failed alike), exit status 1. The original
+    exception is its __cause__."""
 
     exit_code = 1
-
-    def __init__(self, message: str, after_rank_0: bool = False):
-        super().__init__(message)
-        self.after_rank_0 = after_rank_0
-        """Said only if rank 0, which may be failing the same way at the same step, has not said it first."""
 
 
 def note_where_the_job_stood(err: BaseException, position: str, resume: str = "", first: bool = False) -> None:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (LAUNCHERS, assert_ok, assert_same_weights, epoch_records, final_weights, requires_launchers, run,
-                      run_summary)
+from conftest import (LAUNCHERS, assert_ok, assert_same_weights, epoch_records, final_weights, free_port,
+                      requires_launchers, run, run_summary)
 from hvdtrain.cli import main
 
 LOCAL = ["--progress", "off", "--engine", "local", "--threads", "1"]
@@ -320,6 +320,13 @@ def test_runs_marks_an_unfinished_run(finished_digits, tmp_path, capsys):
     (copy / ".hvdtrain.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
     main(["runs", str(tmp_path)])
     assert capsys.readouterr().out.splitlines()[1].endswith("crashed in epoch 2")
+    # `hvdtrain where` finds the where.json a killed job left, and no one answering there: it says so.
+    (copy / "where.json").write_text(json.dumps({"host": socket.gethostname(), "port": free_port(), "token": "t",
+                                                 "pid": os.getpid()}))
+    with pytest.raises(SystemExit):
+        main(["where", str(copy)])
+    assert capsys.readouterr().err == f"hvdtrain: error: no job is running in {copy}: its last fit crashed in epoch 2 " \
+                                      f"(hvdtrain runs {copy})\n"
     # A run of an hvdtrain that kept no note, or whose lock file went: its epochs alone say where it stopped.
     (copy / ".hvdtrain.lock").unlink()
     main(["runs", str(tmp_path)])

@@ -15,6 +15,7 @@ import torch
 from conftest import (HOROVOD_AND_TORCH, LAUNCHERS, ROOT, assert_ok, assert_same_weights, epoch_records,
                       final_weights, fit_here, fit_ok, fit_under, free_port, launch_env, python_under, requires_launchers,
                       run, run_summary, step_losses)
+from hvdtrain.cli import main
 
 pytestmark = [pytest.mark.multiprocess, requires_launchers, pytest.mark.timeout(300)]
 
@@ -335,6 +336,30 @@ def test_a_failure_on_one_rank_stops_all_with_its_cause(launcher, tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
+def test_a_callback_failing_alike_on_every_rank_is_rank_0_s_line_alone(launcher, tmp_path, capsys):
+    """Every rank's callback raising alike (a metric no rank has) is one line, rank 0's, and the launcher
+    names rank 0: not a line per rank and the launcher naming whichever rank left first. `hvdtrain runs`
+    and `hvdtrain where` then say it failed where that line said."""
+    run_dir = tmp_path / "r"
+    done = fit_under(launcher, *RANDOM, "--batch-size", "64", "--epochs", "2", "--callback",
+                     "user_code:FailsOnEveryRank", "--run-dir", str(run_dir), timeout=90)
+    output = done.stdout + done.stderr
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    assert done.returncode == 1 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    assert re.search(r"hvdtrain: error: rank 0 failed at epoch 1, step 3: callback FailsOnEveryRank.on_epoch_end "
+                     r"raised KeyError: 'val_f1' \(\S*tests/user_code.py:\d+ in on_epoch_end\); every rank stops", errors[0])
+    _assert_ends_naming(output, launcher, 0, "exited with status 1")
+    from hvdtrain.after.runs import read_run
+
+    assert read_run(run_dir).status == "failed at epoch 1, step 3"
+    with pytest.raises(SystemExit) as ended:
+        main(["where", str(run_dir)])
+    assert ended.value.code == 2
+    assert capsys.readouterr().err == (f"hvdtrain: error: no job is running in {run_dir}: its last fit failed at "
+                                       f"epoch 1, step 3 (hvdtrain runs {run_dir})\n")
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
 def test_a_data_set_failing_mid_epoch_on_one_rank_is_one_line_naming_where(launcher, tmp_path):
     """Read by data-loader workers: the failed rank's loaders outlive the failure (reference cycles with
     its frames), and their workers ignore SIGTERM; the exit handlers waited for them for ever (under
@@ -355,7 +380,7 @@ def test_a_data_set_failing_mid_epoch_on_one_rank_is_one_line_naming_where(launc
     step = re.search(r"epoch 1, step \d+", failed[0]).group()
     assert f"hvdtrain: the job stopped in a collective ({step}), as another rank failed or left (its own line, or " \
            "the launcher's, names it); no checkpoint was written yet" in output, output[-3000:]
-    _assert_ends_naming_rank_1(output, launcher, "exited with status 1")
+    _assert_ends_naming(output, launcher, 1, "exited with status 1")
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
@@ -435,14 +460,14 @@ def test_torch_engine_ranks_that_cannot_meet_say_why_in_one_line(case, tmp_path)
     assert "Traceback" not in output and not (tmp_path / "r").exists()
 
 
-def _assert_ends_naming_rank_1(output: str, launcher: str, how: str) -> None:
-    """The job's last lines name rank 1, which failed first, and how it ended: hvdtrain's launcher entries
-    say it themselves; Open MPI names the first rank to exit (rank 0 left after rank 1)."""
+def _assert_ends_naming(output: str, launcher: str, rank: int, how: str) -> None:
+    """The job's last lines name `rank`, which failed first, and how it ended: hvdtrain's launcher entries
+    say it themselves; Open MPI names the first rank to exit (the others left after it)."""
     last = "\n".join([line for line in output.splitlines() if line.strip(" -")][-3:])
-    mpi = (r"Process name: \[\[\d+,1\],1\]\s+Exit code:\s+1" if how.startswith("exited") else
-           r"process rank 1 with PID \d+ on node \S+ exited on signal 9")
-    expected = {"horovodrun-gloo": re.escape(f"horovodrun: worker 1 {how}; the other workers were stopped"),
-                "torchrun": re.escape(f"torchrun: worker rank 1 {how}; the other workers were stopped"),
+    mpi = (rf"Process name: \[\[\d+,1\],{rank}\]\s+Exit code:\s+1" if how.startswith("exited") else
+           rf"process rank {rank} with PID \d+ on node \S+ exited on signal 9")
+    expected = {"horovodrun-gloo": re.escape(f"horovodrun: worker {rank} {how}; the other workers were stopped"),
+                "torchrun": re.escape(f"torchrun: worker rank {rank} {how}; the other workers were stopped"),
                 "mpirun": mpi}[launcher]
     assert re.search(expected, last), output[-3000:]
 
@@ -507,7 +532,7 @@ def test_a_killed_rank_stops_the_job_and_resume_finishes_it(launcher, long_run, 
     assert "Traceback" not in output, output[-3000:]
     # Rank 0, whose collective broke off, never reads as a second failure (nor quotes Gloo's build paths).
     assert not [line for line in output.splitlines() if "error" in line.lower()], output[-3000:]
-    _assert_ends_naming_rank_1(output, launcher, "was killed by SIGKILL (exit status 137)")
+    _assert_ends_naming(output, launcher, 1, "was killed by SIGKILL (exit status 137)")
     gone_by = killed_at + 30  # the launcher has returned; its ranks may take a moment more to be reaped
     while _ranks_of(killed) and time.monotonic() < gone_by:
         time.sleep(0.1)
@@ -538,7 +563,7 @@ def test_a_nan_on_one_rank_stops_every_rank_at_that_step(launcher, tmp_path):
     from hvdtrain.after.runs import read_run
 
     failed = read_run(tmp_path / "r")
-    assert failed.status == "failed in epoch 3"
+    assert failed.status == "failed at epoch 3, step 7"
     assert failed.error.startswith("non-finite loss at step 7 on rank 1 (loss nan): training stopped on every rank")
 
 

@@ -52,9 +52,11 @@ class RunRecord:
         if self.summary is not None and done >= (self.planned_epochs or 0):
             return "finished"
         epoch = f"in epoch {min(done + 1, self.planned_epochs or done + 1)}"
-        ended = note.get("ended")
-        if isinstance(ended, str) and ended:  # the last fit's own word: a signal's stop, a failure
-            return ended if ended.startswith("stopped by") else f"{ended} {epoch}"
+        ended, at = note.get("ended"), note.get("at")
+        if isinstance(ended, str) and ended:  # the last fit's own word: a signal's stop, a failure (and where)
+            if ended.startswith("stopped by"):
+                return ended
+            return f"{ended} at {at}" if isinstance(at, str) and at else f"{ended} {epoch}"
         if note.get("pid"):  # its note was left behind: the process ended without unwinding
             host = note.get("host")
             return f"crashed {epoch}" if host in (None, socket.gethostname()) else \

@@ -58,7 +58,7 @@ def report_and_exit(err: Exception, debug: bool) -> None:
             click.echo(f"hvdtrain: {err}", err=True)
         sys.exit(err.exit_code)
     if isinstance(err, FailedAt):  # only the failing rank knows why: it says so itself
-        if err.after_rank_0:  # rank 0's own line of the same failure ends the job (and this rank) first
+        if (launcher_rank() or 0) > 0:  # dist: where rank 0 fails the same way, its line ends the job (and this rank) first
             time.sleep(AFTER_RANK_0_SECONDS)
         fail(str(err), err.exit_code, debug, every_rank=True)
     if isinstance(err, RankFailed):  # "rank 0 failed: ...": said by every rank where each has a log of its own
@@ -79,8 +79,9 @@ def _collective_failure(err: Exception) -> bool:
     return any(engine is not None and engine.is_collective_failure(err) for engine in engines)
 
 
-# Bad data met mid-run on a rank other than 0 is said by that rank, after this long: where rank 0
-# met it too (the same batch shapes, the same task), rank 0's line comes first and ends the job.
+# A failure mid-run on a rank other than 0 is said by that rank, after this long: where rank 0 met it
+# too (every rank's callback or model failing alike, the same batch shapes), rank 0's line comes first
+# and its exit ends the job, rather than one line per rank and the launcher naming whichever left first.
 AFTER_RANK_0_SECONDS = 3.0
 
 

@@ -27,6 +27,7 @@ def where(run_dir: str, timeout: float) -> None:
     try:
         facts = json.loads(live.read_text())
     except FileNotFoundError:
+        _say_if_it_ended(Path(run_dir))
         raise UserError(f"no job is running in {run_dir} (no {LIVE_FILE}: it ended, has not reached its first epoch "
                         "yet, runs as one process without a launcher, or runs with --elastic)") from None
     except (OSError, ValueError) as err:
@@ -37,12 +38,27 @@ def where(run_dir: str, timeout: float) -> None:
     try:
         answer = request(host, facts["port"], {"token": facts["token"], "ask": "where"}, timeout)
     except (OSError, ValueError) as err:  # ValueError: what answered is not a job's rank 0
+        _say_if_it_ended(Path(run_dir))  # a job killed or failed before it could remove where.json
         raise UserError(f"the job in {run_dir} does not answer (rank 0: pid {facts['pid']} on {facts['host']}, port "
                         f"{facts['port']}: {getattr(err, 'strerror', None) or err}); it may have been killed before "
                         f"it could remove {LIVE_FILE}") from None
     if not isinstance(answer, dict) or not isinstance(answer.get("text"), str):
         raise UserError(f"rank 0 of the job in {run_dir} did not answer within {timeout:g} s: raise --timeout")
     click.echo(f"hvdtrain where: {answer['text']}")
+
+
+def _say_if_it_ended(run_dir: Path) -> None:
+    """Where no fit holds `run_dir` now and its last one left word of how it ended: that, as `hvdtrain runs`
+    says it (`failed at epoch 1, step 15`, `crashed in epoch 2`), as the one line."""
+    from hvdtrain.after.runs import read_run
+
+    try:
+        record = read_run(run_dir)
+    except UserError:  # not a run directory: the caller's line says what is missing
+        return
+    held, note = record.lock
+    if not held and (note or record.summary is not None):
+        raise UserError(f"no job is running in {run_dir}: its last fit {record.status} (hvdtrain runs {run_dir})")
 
 
 def _is_contact(facts: object) -> bool:

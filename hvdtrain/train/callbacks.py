@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from hvdtrain.errors import FailedAt, UserError, message_lines, where
+from hvdtrain.errors import FailedAt, UserError, message_lines, note_where_the_job_stood, where
 from hvdtrain.factory import resolve_factory
 
 # Each hook with the arguments it is given: a method that cannot take them is refused at the start, not
@@ -114,6 +114,7 @@ class Callbacks:
                 failed = FailedAt(f"rank {engine.rank} failed at epoch {epoch}, step {step}: callback "
                                   f"{_name(callback)}.{hook} raised {type(err).__name__}: {message_lines(err)}"
                                   f"{where(err)}; every rank stops (--debug shows the traceback)")
+                note_where_the_job_stood(failed, f"epoch {epoch}, step {step}")
                 raise failed from err
 
     def agree(self) -> str | None:

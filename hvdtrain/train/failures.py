@@ -40,6 +40,7 @@ def located(err: Exception, engine: Engine, position: str, newest: Path | None =
         return err
     if isinstance(err, (RankFailed, StoppedBySignal, StoppedEarly, FailedAt)):
         return err
+    note_where_the_job_stood(err, position, first=True)  # for the run directory's note (`hvdtrain runs`)
     message = worker_message(err)
     killed = re.search(r"DataLoader worker \(pid[^)]*\) is killed by signal: (\w+)", f"{message} {err.__cause__}")
     if killed and killed.group(1) in ("Terminated", "Interrupt", "Hangup"):  # not the user's code
@@ -54,13 +55,14 @@ def located(err: Exception, engine: Engine, position: str, newest: Path | None =
             return err
         located = type(err)(message)  # a data-loader worker's, without its traceback
     elif isinstance(err, UserError):  # bad data met mid-run on this rank: it says so itself
-        located = FailedAt(f"rank {engine.rank} failed at {position}: {message}", after_rank_0=True)
+        located = FailedAt(f"rank {engine.rank} failed at {position}: {message}")
         located.exit_code = UserError.exit_code  # type: ignore[attr-defined]
     else:
         resume = _resume_from(newest if engine.is_root else None)
         located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message}{where(err)}"
                            f"{batching_hint(err)}; every rank stops (--debug shows the traceback){resume}")
     located.__cause__ = err
+    note_where_the_job_stood(located, position)
     return located
 
 

@@ -19,7 +19,7 @@ import torch
 from hvdtrain.config import Config
 from hvdtrain.data.augment import on_device
 from hvdtrain.engine import Engine
-from hvdtrain.errors import StoppedBySignal, UserError
+from hvdtrain.errors import StoppedBySignal, UserError, where_the_job_stood
 from hvdtrain.io.checkpoint import Start
 from hvdtrain.io.progress import say
 from hvdtrain.io import run_lock
@@ -138,14 +138,17 @@ class Trainer:
             run_lock.release(self.claimed, ended)
 
     def _how_it_ended(self, err: BaseException) -> dict[str, str]:
-        """For the run directory's lock note (`hvdtrain runs`): a stop on a signal, an interrupt or a failure."""
+        """For the run directory's lock note (`hvdtrain runs`): a stop on a signal, an interrupt or a failure,
+        and where the failure's own line put it (`at`: "epoch 1, step 15"), where it said."""
         if isinstance(err, StoppedBySignal):  # "stopped by SIGTERM at epoch 3, step 1,234: checkpoint written..."
             return {"ended": str(err).partition(":")[0]}
         if isinstance(err, KeyboardInterrupt):
             return {"ended": "interrupted"}
+        position = (where_the_job_stood(err) or ("",))[0]
+        at = {"at": position} if position else {}
         if self.engine.is_engine_signal(err):
-            return {"ended": "failed", "error": "another rank failed or left"}
-        return {"ended": "failed", "error": (str(err).strip().splitlines() or [type(err).__name__])[0][:300]}
+            return {"ended": "failed", "error": "another rank failed or left", **at}
+        return {"ended": "failed", "error": (str(err).strip().splitlines() or [type(err).__name__])[0][:300], **at}
 
     def end_data_workers(self, at_once: bool = False) -> None:
         current = getattr(self, "shard", None)
