@@ -70,11 +70,15 @@ class FailedAt(Exception):
 
 
 def note_where_the_job_stood(err: BaseException, position: str, resume: str = "", first: bool = False) -> None:
-    """Keeps on a collective's error (its type unchanged: elastic training catches it by type) where this
-    rank was when it broke off (`epoch 2, step 41`) and, on rank 0, `; ...` on the checkpoint to resume
-    from. `first`: only if nothing was noted yet (the engine's own note, under a more exact one)."""
+    """Keeps on a collective's error (its type unchanged: elastic training catches it by type), or on the
+    user's, where this rank was when it broke off (`epoch 2, step 41`) and, on rank 0, `; ...` on the
+    checkpoint to resume from. `first`: only if nothing was noted yet (the engine's own note, under a
+    more exact one). An exception that takes no attributes (a frozen dataclass's) is left as it is."""
     if not (first and hasattr(err, "hvdtrain_where")):
-        err.hvdtrain_where = (position, resume)  # type: ignore[attr-defined]
+        try:
+            err.hvdtrain_where = (position, resume)  # type: ignore[attr-defined]
+        except (AttributeError, TypeError):  # dataclasses.FrozenInstanceError is an AttributeError
+            pass
 
 
 def where_the_job_stood(err: BaseException) -> tuple[str, str] | None:

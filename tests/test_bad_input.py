@@ -335,6 +335,24 @@ def test_a_batch_that_does_not_stack_mid_run_says_how_to_make_one(workers):
             ) in line
 
 
+def test_a_user_s_exception_that_takes_no_attributes_is_located_as_any_other():
+    """A frozen dataclass's exception refuses the note of where the job stood (for `hvdtrain runs`): the
+    failure is said all the same, not a FrozenInstanceError in its place."""
+    from dataclasses import dataclass
+
+    from hvdtrain.engine.local import LocalEngine
+    from hvdtrain.errors import where_the_job_stood
+    from hvdtrain.train.failures import located
+
+    @dataclass(frozen=True)
+    class ShapeError(Exception):
+        got: int
+
+    failure = located(ShapeError(5), LocalEngine(torch.device("cpu")), "epoch 1, step 5")
+    assert str(failure).startswith("rank 0 failed at epoch 1, step 5: ShapeError: 5")
+    assert where_the_job_stood(failure) == ("epoch 1, step 5", "")
+
+
 def test_a_data_loader_worker_s_death_raised_inside_horovod_s_wait_is_this_rank_s_own_failure():
     """torch's handler for a dead worker raises inside Horovod's wait, which raises every RuntimeError again as
     HorovodInternalError: taken for another rank's failure, no rank said what failed. A collective that broke
