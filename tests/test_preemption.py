@@ -420,10 +420,12 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_a_checkpoint_and_leaves_
 
 # A closed terminal (an ssh session dropped, a laptop shut): the kernel hangs up the terminal's session leader,
 # a shell, which passes SIGHUP to its jobs' process groups. This stand-in for it runs the job in a group of its
-# own, under nohup or not, and exits with its status.
+# own, under nohup or not (a login shell's job has SIGHUP's default, whatever `make test` itself was started
+# under), and exits with its status.
 SHELL = ("import os, signal, subprocess, sys\n"
-         "nohup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if sys.argv[1] == 'nohup' else None\n"
-         "job = subprocess.Popen(sys.argv[2:], process_group=0, preexec_fn=nohup)\n"
+         "hang_ups = signal.SIG_IGN if sys.argv[1] == 'nohup' else signal.SIG_DFL\n"
+         "job = subprocess.Popen(sys.argv[2:], process_group=0, preexec_fn=lambda: signal.signal(signal.SIGHUP, "
+         "hang_ups))\n"
          "def hang_up(number, frame):\n"
          "    try:\n"
          "        os.killpg(job.pid, signal.SIGHUP)\n"

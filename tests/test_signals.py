@@ -65,7 +65,8 @@ def test_the_sigterm_of_torchrun_s_agent_dying_during_a_stop_does_not_insist():
 
 def test_two_stop_signals_at_once_are_one_stop_and_a_later_one_ends_the_command_with_a_word_for_runs(tmp_path):
     """A logout sends SIGTERM with the terminal's SIGHUP: one stop, not a second signal that insists. One
-    later does, and ends the command as its default would; `hvdtrain runs` reads how in the lock's note."""
+    later does, and ends the command as its default would; `hvdtrain runs` reads how in the lock's note.
+    (SIGHUP has its default, as in a login session's process, even where the tests run under nohup.)"""
     import json
 
     done = subprocess.run([sys.executable, "-c", (
@@ -74,6 +75,7 @@ def test_two_stop_signals_at_once_are_one_stop_and_a_later_one_ends_the_command_
         "from hvdtrain.io import run_lock\n"
         "from hvdtrain.train import early_signals\n"
         "from hvdtrain.train.stop_policy import StopSignals\n"
+        "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
         "early_signals.in_the_command_s_process()\n"
         "run_lock.claim(Path(sys.argv[1]))\n"
         "with StopSignals('SIGTERM,SIGHUP') as signals:\n"
