@@ -325,8 +325,8 @@ def test_runs_marks_an_unfinished_run(finished_digits, tmp_path, capsys):
                                                  "pid": os.getpid()}))
     with pytest.raises(SystemExit):
         main(["where", str(copy)])
-    assert capsys.readouterr().err == f"hvdtrain: error: no job is running in {copy}: its last fit crashed in epoch 2 " \
-                                      f"(hvdtrain runs {copy})\n"
+    assert capsys.readouterr().err == f"hvdtrain: error: no job answers in {copy}: its last fit crashed in epoch 2 " \
+                                      f"(hvdtrain runs {copy}); a fit started there since answers once it trains\n"
     # A run of an hvdtrain that kept no note, or whose lock file went: its epochs alone say where it stopped.
     (copy / ".hvdtrain.lock").unlink()
     main(["runs", str(tmp_path)])

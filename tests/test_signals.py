@@ -89,6 +89,27 @@ def test_two_stop_signals_at_once_are_one_stop_and_a_later_one_ends_the_command_
     assert json.loads((tmp_path / ".hvdtrain.lock").read_text()) == {"ended": "ended by a second SIGTERM"}
 
 
+def test_a_failed_rank_waiting_for_rank_0_s_word_outlives_a_warning_signal_and_ctrl_c_but_not_the_launcher():
+    """A rank other than 0 that failed mid-run waits for rank 0's line (rank 0 failing alike ends the job
+    first): a scheduler's SIGUSR1 or a Ctrl-C meanwhile must not end it without its own line, the only one
+    where it alone failed. Its handlers are back after the wait; the launcher's SIGTERM ends it at once."""
+    code = ("import os, signal, threading\n"
+            "from hvdtrain.cli import common\n"
+            "from hvdtrain.engine import environment  # loaded, as in a rank that trained\n"
+            "common.AFTER_RANK_0_SECONDS = 1.0\n"
+            "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()\n"
+            "threading.Timer(0.4, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+            "common._leave_rank_0_the_first_word()\n"
+            "print('waited', signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,\n"
+            "      signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)\n"
+            "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
+            "common._leave_rank_0_the_first_word()\n"
+            "print('not reached', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMPI_COMM_WORLD_RANK": "1"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM and done.stdout == "waited True True\n", done
+
+
 def test_a_process_forked_from_a_torchrun_worker_has_its_own_parent(monkeypatch):
     """A script that imported hvdtrain and forks (multiprocessing's default on Linux) runs fit in a child
     whose parent is the worker, not the agent: that is no agent's death."""

@@ -58,8 +58,8 @@ def report_and_exit(err: Exception, debug: bool) -> None:
             click.echo(f"hvdtrain: {err}", err=True)
         sys.exit(err.exit_code)
     if isinstance(err, FailedAt):  # only the failing rank knows why: it says so itself
-        if (launcher_rank() or 0) > 0:  # dist: where rank 0 fails the same way, its line ends the job (and this rank) first
-            time.sleep(AFTER_RANK_0_SECONDS)
+        if (launcher_rank() or 0) > 0:
+            _leave_rank_0_the_first_word()
         fail(str(err), err.exit_code, debug, every_rank=True)
     if isinstance(err, RankFailed):  # "rank 0 failed: ...": said by every rank where each has a log of its own
         from hvdtrain.engine.environment import env_rendezvous_launched
@@ -82,7 +82,31 @@ def _collective_failure(err: Exception) -> bool:
 # A failure mid-run on a rank other than 0 is said by that rank, after this long: where rank 0 met it
 # too (every rank's callback or model failing alike, the same batch shapes), rank 0's line comes first
 # and its exit ends the job, rather than one line per rank and the launcher naming whichever left first.
-AFTER_RANK_0_SECONDS = 3.0
+AFTER_RANK_0_SECONDS = 5.0
+
+
+def _leave_rank_0_the_first_word() -> None:
+    """dist: a rank other than 0 that failed mid-run waits AFTER_RANK_0_SECONDS where a launcher ends the
+    job on a failure (rank 0 failing alike ends it, and this rank, first); where none does (srun, pods,
+    elastic) the wait would only delay. A scheduler's warning signal or a Ctrl-C meanwhile must not end
+    this rank without its line, the only one where it alone failed: only the launcher's SIGTERM does."""
+    import signal
+
+    from hvdtrain.engine import environment
+
+    if not environment.launcher_ends_the_job_on_a_failure():
+        return
+    held = {}
+    for number in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        try:
+            held[number] = signal.signal(number, signal.SIG_IGN)
+        except (ValueError, OSError):  # not the main thread: the wait as it is
+            pass
+    try:
+        time.sleep(AFTER_RANK_0_SECONDS)
+    finally:
+        for number, handler in held.items():
+            signal.signal(number, handler)
 
 
 def fail(message: str, code: int, debug: bool, every_rank: bool = False, wait: bool = True,

@@ -27,9 +27,10 @@ def where(run_dir: str, timeout: float) -> None:
     try:
         facts = json.loads(live.read_text())
     except FileNotFoundError:
-        _say_if_it_ended(Path(run_dir))
+        ended = _last_fit(Path(run_dir))
         raise UserError(f"no job is running in {run_dir} (no {LIVE_FILE}: it ended, has not reached its first epoch "
-                        "yet, runs as one process without a launcher, or runs with --elastic)") from None
+                        f"yet, runs as one process without a launcher, or runs with --elastic)"
+                        f"{f'; {ended}' if ended else ''}") from None
     except (OSError, ValueError) as err:
         raise UserError(f"cannot read {live}: {getattr(err, 'strerror', None) or err}") from None
     if not _is_contact(facts):
@@ -38,7 +39,10 @@ def where(run_dir: str, timeout: float) -> None:
     try:
         answer = request(host, facts["port"], {"token": facts["token"], "ask": "where"}, timeout)
     except (OSError, ValueError) as err:  # ValueError: what answered is not a job's rank 0
-        _say_if_it_ended(Path(run_dir))  # a job killed or failed before it could remove where.json
+        ended = _last_fit(Path(run_dir)) if facts["host"] == socket.gethostname() else ""
+        if ended:  # the job that wrote where.json was killed (or failed) before it could remove it
+            raise UserError(f"no job answers in {run_dir}: {ended}; a fit started there since answers once it "
+                            "trains") from None
         raise UserError(f"the job in {run_dir} does not answer (rank 0: pid {facts['pid']} on {facts['host']}, port "
                         f"{facts['port']}: {getattr(err, 'strerror', None) or err}); it may have been killed before "
                         f"it could remove {LIVE_FILE}") from None
@@ -47,18 +51,20 @@ def where(run_dir: str, timeout: float) -> None:
     click.echo(f"hvdtrain where: {answer['text']}")
 
 
-def _say_if_it_ended(run_dir: Path) -> None:
-    """Where no fit holds `run_dir` now and its last one left word of how it ended: that, as `hvdtrain runs`
-    says it (`failed at epoch 1, step 15`, `crashed in epoch 2`), as the one line."""
+def _last_fit(run_dir: Path) -> str:
+    """`its last fit failed at epoch 1, step 15 (hvdtrain runs DIR)`, as `hvdtrain runs` says how it ended,
+    where no fit holds `run_dir` now and the last one left word (a note or a summary) on this host; else "".
+    (An elastic fit takes no hold, and a fit takes it once set up: the caller's line allows for both.)"""
     from hvdtrain.after.runs import read_run
 
     try:
         record = read_run(run_dir)
-    except UserError:  # not a run directory: the caller's line says what is missing
-        return
-    held, note = record.lock
-    if not held and (note or record.summary is not None):
-        raise UserError(f"no job is running in {run_dir}: its last fit {record.status} (hvdtrain runs {run_dir})")
+        held, note = record.lock
+    except (UserError, OSError):  # not a run directory, or one this user cannot read: the caller's line
+        return ""
+    if held or not (note or record.summary is not None) or note.get("host") not in (None, socket.gethostname()):
+        return ""
+    return f"its last fit {record.status} (hvdtrain runs {run_dir})"
 
 
 def _is_contact(facts: object) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -145,7 +146,8 @@ class Trainer:
         if isinstance(err, KeyboardInterrupt):
             return {"ended": "interrupted"}
         position = (where_the_job_stood(err) or ("",))[0]
-        at = {"at": position} if position else {}
+        # A step of training, as the failure's line put it; not the engine's own words ("set-up", a wait).
+        at = {"at": position} if re.fullmatch(r"epoch [1-9]\d*, step [\d,]+", position) else {}
         if self.engine.is_engine_signal(err):
             return {"ended": "failed", "error": "another rank failed or left", **at}
         return {"ended": "failed", "error": (str(err).strip().splitlines() or [type(err).__name__])[0][:300], **at}
