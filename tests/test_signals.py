@@ -96,6 +96,7 @@ def test_a_failed_rank_waiting_for_rank_0_s_word_outlives_a_warning_signal_and_c
     code = ("import os, signal, threading\n"
             "from hvdtrain.cli import common\n"
             "from hvdtrain.engine import environment  # loaded, as in a rank that trained\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, whatever pytest's worker left\n"
             "common.AFTER_RANK_0_SECONDS = 1.0\n"
             "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()\n"
             "threading.Timer(0.4, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
