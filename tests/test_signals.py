@@ -90,21 +90,20 @@ def test_two_stop_signals_at_once_are_one_stop_and_a_later_one_ends_the_command_
 
 
 def test_a_failed_rank_waiting_for_rank_0_s_word_outlives_a_warning_signal_and_ctrl_c_but_not_the_launcher():
-    """A rank other than 0 that failed mid-run waits for rank 0's line (rank 0 failing alike ends the job
-    first): a scheduler's SIGUSR1 or a Ctrl-C meanwhile must not end it without its own line, the only one
-    where it alone failed. Its handlers are back after the wait; the launcher's SIGTERM ends it at once."""
+    """A rank other than 0 about to report a failure waits for rank 0's line (rank 0 failing alike ends the
+    job first; the wait of a failure mid-run and of a quiet rank's error alike): a scheduler's SIGUSR1 or a
+    Ctrl-C meanwhile must not end it without its own line, the only one where rank 0 did not fail. Its
+    handlers are back after the wait; the launcher's SIGTERM ends it at once."""
     code = ("import os, signal, threading\n"
             "from hvdtrain.cli import common\n"
-            "from hvdtrain.engine import environment  # loaded, as in a rank that trained\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, whatever pytest's worker left\n"
-            "common.AFTER_RANK_0_SECONDS = 1.0\n"
             "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()\n"
             "threading.Timer(0.4, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
-            "common._leave_rank_0_the_first_word()\n"
+            "common._wait_for_rank_0_s_word(1.0)\n"
             "print('waited', signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,\n"
             "      signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)\n"
             "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
-            "common._leave_rank_0_the_first_word()\n"
+            "common._wait_for_rank_0_s_word(1.0)\n"
             "print('not reached', flush=True)\n")
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMPI_COMM_WORLD_RANK": "1"},
                           capture_output=True, text=True, timeout=60)

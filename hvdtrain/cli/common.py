@@ -23,6 +23,10 @@ from hvdtrain.errors import RendezvousFailed, StoppedBySignal, UserError
 # another (seconds, positive), under horovodrun --gloo at most half of its rendezvous timeout.
 QUIET_RANK_WAIT_SECONDS = 30.0
 SRUN_QUIET_RANK_WAIT_SECONDS = 10.0
+# A failure mid-run on a rank other than 0 is said by that rank, after this long: where rank 0 met it
+# too (every rank's callback or model failing alike, the same batch shapes), rank 0's line comes first
+# and its exit ends the job, rather than one line per rank and the launcher naming whichever left first.
+AFTER_RANK_0_SECONDS = 5.0
 
 
 class UserPath(click.Path):
@@ -58,8 +62,10 @@ def report_and_exit(err: Exception, debug: bool) -> None:
             click.echo(f"hvdtrain: {err}", err=True)
         sys.exit(err.exit_code)
     if isinstance(err, FailedAt):  # only the failing rank knows why: it says so itself
-        if (launcher_rank() or 0) > 0:
-            _leave_rank_0_the_first_word()
+        from hvdtrain.engine import environment
+
+        if (launcher_rank() or 0) > 0 and environment.launcher_ends_the_job_on_a_failure():
+            _wait_for_rank_0_s_word(AFTER_RANK_0_SECONDS)  # (srun, pods, elastic: it would only delay)
         fail(str(err), err.exit_code, debug, every_rank=True)
     if isinstance(err, RankFailed):  # "rank 0 failed: ...": said by every rank where each has a log of its own
         from hvdtrain.engine.environment import env_rendezvous_launched
@@ -79,23 +85,13 @@ def _collective_failure(err: Exception) -> bool:
     return any(engine is not None and engine.is_collective_failure(err) for engine in engines)
 
 
-# A failure mid-run on a rank other than 0 is said by that rank, after this long: where rank 0 met it
-# too (every rank's callback or model failing alike, the same batch shapes), rank 0's line comes first
-# and its exit ends the job, rather than one line per rank and the launcher naming whichever left first.
-AFTER_RANK_0_SECONDS = 5.0
-
-
-def _leave_rank_0_the_first_word() -> None:
-    """dist: a rank other than 0 that failed mid-run waits AFTER_RANK_0_SECONDS where a launcher ends the
-    job on a failure (rank 0 failing alike ends it, and this rank, first); where none does (srun, pods,
-    elastic) the wait would only delay. A scheduler's warning signal or a Ctrl-C meanwhile must not end
-    this rank without its line, the only one where it alone failed: only the launcher's SIGTERM does."""
+def _wait_for_rank_0_s_word(seconds: float) -> None:
+    """dist: a rank other than 0 about to report a failure waits `seconds` first, where a launcher ends
+    the job on one: rank 0 failing too says the one line and its exit ends the job, and this rank, first.
+    A scheduler's warning signal or a Ctrl-C meanwhile must not end this rank without its line (the only
+    one where rank 0 did not fail): only the launcher's SIGTERM does."""
     import signal
 
-    from hvdtrain.engine import environment
-
-    if not environment.launcher_ends_the_job_on_a_failure():
-        return
     held = {}
     for number in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
         try:
@@ -103,7 +99,7 @@ def _leave_rank_0_the_first_word() -> None:
         except (ValueError, OSError):  # not the main thread: the wait as it is
             pass
     try:
-        time.sleep(AFTER_RANK_0_SECONDS)
+        time.sleep(seconds)
     finally:
         for number, handler in held.items():
             signal.signal(number, handler)
@@ -128,7 +124,7 @@ def fail(message: str, code: int, debug: bool, every_rank: bool = False, wait: b
         click.echo(f"hvdtrain: error: rank {rank}: {message}", err=True)  # rank 0's line is not
         sys.exit(code)
     if wait and environment.launcher_ends_the_job_on_a_failure():
-        time.sleep(_quiet_rank_wait())
+        _wait_for_rank_0_s_word(_quiet_rank_wait())
         # Still here: rank 0 did not fail this way (its exit would have ended the job), a config file
         # missing on this host, say. Left quiet, the job would end without a word of why.
         click.echo(f"hvdtrain: error: rank {rank}: {message}", err=True)
