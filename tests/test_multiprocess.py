@@ -628,6 +628,18 @@ def test_gather_brings_every_rank_s_object_to_rank_0_only(launcher, collectives)
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
+def test_a_rank_waiting_for_a_late_one_gives_its_core_back(launcher, collectives):
+    """Rank 1 comes to the gradient sync 2 s late. Rank 0 waits there without keeping a core busy: on a
+    host whose cores all compute, a core spinning in the wait is taken from the rank being waited for.
+    (Horovod's own wait polls in a loop of sched_yield: a whole core for as long as the wait lasts.)"""
+    _, done = collectives(launcher)
+    found = re.search(r"rank 0 waited ([\d.]+) s using ([\d.]+) s of CPU", done.stdout)
+    assert found, done.stdout
+    waited, cpu = map(float, found.groups())
+    assert waited > 1.5 and cpu < 0.2 * waited, done.stdout
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
 def test_fp16_compression_averages_gradients_whose_sum_would_overflow(launcher, collectives):
     """Gradients of 40001 on each of 2 ranks: below fp16's limit, their sum is not. fp16 on the wire
     divides before the sum on both engines, so the average arrives as 40000 (fp16's nearest), not inf,

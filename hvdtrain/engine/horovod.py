@@ -13,6 +13,7 @@ import torch
 from hvdtrain.engine.base import ElasticState, GradientSync, T
 from hvdtrain.engine.buckets import host_values
 from hvdtrain.engine.horovod_start import MPI_SETTINGS, mpi_controls, set_ours, start_mpi
+from hvdtrain.engine.horovod_wait import give_the_core_back_while_waiting
 from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.errors import UserError
 from hvdtrain.engine.activity import SET_UP_SECONDS, Activity
@@ -21,6 +22,7 @@ from hvdtrain.engine.watchdog import Board, KeyValueBoard, StallWatchdog
 try:
     import horovod.torch as hvd
     from horovod.common.elastic import ObjectState
+    from horovod.torch import mpi_ops as _horovod_ops
     from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 except ImportError as err:  # reported when a launcher asks for Horovod, not at import
     hvd = None
@@ -76,6 +78,7 @@ class HorovodEngine(WatchedEngine):
                 "run launch/install.sh, or run hvdtrain fit alone without horovodrun/mpirun"
             )
         global _scripts_own, _ours_running
+        give_the_core_back_while_waiting(_horovod_ops.mpi_lib)  # a script's own Horovod too: the same results
         _scripts_own = hvd.is_initialized() and not _ours_running  # the script's own hvd.init() came first
         if _scripts_own:
             return  # its settings and its MPI; it goes on using Horovod after fit, which leaves it running

@@ -27,6 +27,7 @@ from hvdtrain.engine.stacks import frame_line, main_frames, rank_report, report_
 from hvdtrain.io.run_dir import WHERE_FILE as LIVE_FILE, WHERE_FOLDER as FOLDER
 
 _USER_FRAMES, _OTHER_FRAMES = 4, 2  # per rank in a summary; the files have every frame
+_POLITE_WAIT = os.path.join("hvdtrain", "engine", "horovod_wait.py")
 _WATCH_SLACK_SECONDS = 2.0
 """The most by which two ranks' watchdogs see the same stall apart (their polling interval)."""
 
@@ -227,8 +228,8 @@ def _rank_lines(rank: int, report: dict[str, Any] | None, stack: bool) -> list[s
         return [f"  rank {rank}: no answer within {ANSWER_SECONDS:g} s (gone, or its interpreter held in native code)"]
     lines = [f"  rank {rank} (host {report['host']}, pid {report['pid']}): {state(report)}"]
     if stack:
-        frames = main_frames(report)
-        users = list(reversed(user_frames(frames)))[:_USER_FRAMES]
+        frames = [frame for frame in main_frames(report) if not frame[0].endswith(_POLITE_WAIT)]  # Horovod's wait is
+        users = list(reversed(user_frames(frames)))[:_USER_FRAMES]  # shown as Horovod's, not the loop polling it
         others = [frame for frame in reversed(frames) if frame not in users][:_OTHER_FRAMES]
         lines += [f"      your code: {frame_line(frame)}" for frame in users]
         lines += [f"      {'inside' if users else 'at'}: {frame_line(frame)}" for frame in others]

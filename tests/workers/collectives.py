@@ -11,9 +11,12 @@
 - Gradients of 40001 on every rank averaged with fp16 on the wire: each is below fp16's limit
   (65504), their sum over 2 ranks is not, and fp16 holds 40001 as 40000 (its steps are 32 there),
   so 40000 comes back only through fp16. Prints each rank's averaged gradient.
+- Rank 1 comes to a gradient sync WAIT_SECONDS late: rank 0 prints how long it waited there and the
+  CPU time its waiting thread used meanwhile.
 """
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +25,7 @@ from hvdtrain.engine import GradientSync, start_engine
 from hvdtrain.train.loop import apply_gradients
 
 STEPS = 5
+WAIT_SECONDS = 2.0
 
 
 def ranks_agree(combine: str) -> None:
@@ -64,10 +68,24 @@ def fp16_sum() -> None:
     print(f"rank {engine.rank} averaged gradient {model.weight.grad.tolist()}", flush=True)
 
 
+def waiting() -> None:
+    model = torch.nn.Linear(4, 1)
+    optimizer = engine.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, GradientSync())
+    model.weight.sum().backward()
+    if engine.rank == 1:
+        time.sleep(WAIT_SECONDS)
+    wall, cpu = time.perf_counter(), time.thread_time()
+    engine.synchronize(optimizer)
+    if engine.rank == 0:
+        print(f"rank 0 waited {time.perf_counter() - wall:.2f} s using {time.thread_time() - cpu:.3f} s of CPU",
+              flush=True)
+
+
 out = Path(sys.argv[1])
 engine = start_engine("auto", "cpu", threads=1)
 for combine in ["average", *sys.argv[2:]]:
     ranks_agree(combine)
 gather()
 fp16_sum()
+waiting()
 engine.shutdown(finished=True)
