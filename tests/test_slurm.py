@@ -252,7 +252,9 @@ def test_a_signal_to_the_tasks_requeues_the_job_which_resumes_and_finishes_exact
     from that checkpoint to the end, with the weights of a run never stopped."""
     root, env = cluster
     run_dir = root / "requeued"
-    args = ["--data", "random", "--set", "data.samples=60000", "--set", "data.features=12", "--epochs", "3"]
+    # Paced in the first allocation (a sleep, not work: the other tests keep the cores), full speed after.
+    args = ["--data", "random", "--set", "data.samples=2000", "--set", "data.features=12", "--epochs", "3",
+            "--model", "user_code:paced_in_first_allocation"]
     job = _submit(env, root, *args, "--run-dir", str(run_dir))
     deadline = time.monotonic() + 120
     while not (run_dir / "checkpoints" / "epoch-0001.pt").exists() and time.monotonic() < deadline:
