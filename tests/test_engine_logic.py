@@ -338,3 +338,37 @@ def test_threads_that_this_host_s_ranks_cannot_all_run_are_one_warning(monkeypat
     host(cpus=64, mine=4, cgroup=4)  # a container's 4 cores on a host of 64, shared by its ranks
     assert environment.too_many_threads(4, 4).endswith("on 4 cores for 4 processes: threads wait for cores and every "
                                                        "step slows; give --threads 1")
+
+
+def test_horovod_s_wait_replaced_politely_raises_its_errors_as_before_and_is_put_back(monkeypatch):
+    """The polite wait polls until the collective is done, then ends in Horovod's own wait, whose error
+    Horovod's synchronize raises as before (HorovodInternalError); installed twice it wraps once, and on a
+    GPU Horovod's own wait is put back."""
+    mpi_ops = pytest.importorskip("horovod.torch.mpi_ops")
+    from horovod.common.exceptions import HorovodInternalError
+
+    from hvdtrain.engine.horovod_wait import wait_politely_in
+
+    polls, waits = [], []
+
+    def horovod_torch_poll(handle):
+        polls.append(handle)
+        return int(len(polls) > 3)
+
+    def horovod_torch_wait_and_clear(handle):
+        waits.append(handle)
+        raise RuntimeError("the collective failed on rank 1")
+
+    fake = SimpleNamespace(horovod_torch_poll=horovod_torch_poll,
+                           horovod_torch_wait_and_clear=horovod_torch_wait_and_clear)
+    wait_politely_in(fake, polite=True)
+    polite = fake.horovod_torch_wait_and_clear
+    wait_politely_in(fake, polite=True)
+    assert fake.horovod_torch_wait_and_clear is polite and polite is not horovod_torch_wait_and_clear
+    monkeypatch.setattr(mpi_ops, "mpi_lib", fake)
+    monkeypatch.setitem(mpi_ops._handle_map, 7, (None, None))
+    with pytest.raises(HorovodInternalError, match="the collective failed on rank 1"):
+        mpi_ops.synchronize(7)
+    assert polls == [7] * 4 and waits == [7]  # polled until done, and Horovod's own wait only then
+    wait_politely_in(fake, polite=False)
+    assert fake.horovod_torch_wait_and_clear is horovod_torch_wait_and_clear

@@ -89,25 +89,35 @@ def test_two_stop_signals_at_once_are_one_stop_and_a_later_one_ends_the_command_
     assert json.loads((tmp_path / ".hvdtrain.lock").read_text()) == {"ended": "ended by a second SIGTERM"}
 
 
-def test_a_failed_rank_waiting_for_rank_0_s_word_outlives_a_warning_signal_and_ctrl_c_but_not_the_launcher():
+def test_a_failed_rank_waiting_for_rank_0_s_word_outlives_a_warning_signal_but_not_ctrl_c_or_the_launcher():
     """A rank other than 0 about to report a failure waits for rank 0's line (rank 0 failing alike ends the
-    job first; the wait of a failure mid-run and of a quiet rank's error alike): a scheduler's SIGUSR1 or a
-    Ctrl-C meanwhile must not end it without its own line, the only one where rank 0 did not fail. Its
-    handlers are back after the wait; the launcher's SIGTERM ends it at once."""
-    code = ("import os, signal, threading\n"
-            "from hvdtrain.cli import common\n"
-            "signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, whatever pytest's worker left\n"
-            "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()\n"
-            "threading.Timer(0.4, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
-            "common._wait_for_rank_0_s_word(1.0)\n"
-            "print('waited', signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,\n"
-            "      signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)\n"
-            "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
-            "common._wait_for_rank_0_s_word(1.0)\n"
-            "print('not reached', flush=True)\n")
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMPI_COMM_WORLD_RANK": "1"},
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == -signal.SIGTERM and done.stdout == "waited True True\n", done
+    job first; the wait of a failure mid-run and of a quiet rank's error alike). A scheduler's SIGUSR1
+    meanwhile must not end it without its own line, the only one where rank 0 did not fail; a Ctrl-C ends
+    the wait, and the rank says its line and exits at once (a 30 s wait deaf to Ctrl-C would hold the job:
+    rank 0 may wait in native code, which runs no handler). The launcher's SIGTERM ends it as it is."""
+    env = {**os.environ, "OMPI_COMM_WORLD_RANK": "1", "HVDTRAIN_QUIET_RANK_WAIT_SECONDS": "60"}
+    quiet = ("import os, signal, threading\n"
+             "from hvdtrain.cli import common\n"
+             "from hvdtrain.engine import environment  # loaded, as in a rank that got as far as a launcher's\n"
+             "signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, whatever pytest's worker left\n"
+             "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1)).start()\n"
+             "threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+             "try:\n"
+             "    common.fail('config key x must be an integer', 2, debug=False)\n"
+             "finally:\n"
+             "    print('handlers back', signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,\n"
+             "          signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", quiet], env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 2 and done.stderr == "hvdtrain: error: rank 1: config key x must be an integer\n", done
+    assert done.stdout == "handlers back True True\n" and time.monotonic() - started < 30, done  # not the 60 s
+    launcher = ("import os, signal, threading\n"
+                "from hvdtrain.cli import common\n"
+                "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
+                "common._wait_for_rank_0_s_word(30.0)\n"
+                "print('not reached', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", launcher], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM and done.stdout == "", done
 
 
 def test_a_process_forked_from_a_torchrun_worker_has_its_own_parent(monkeypatch):

@@ -3,11 +3,13 @@ clock, and the straggler rule."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 
 import pytest
+import torch
 
 from hvdtrain.engine.activity import Activity
 from hvdtrain.engine.report_channel import RankLink, ReportServer, request
@@ -83,6 +85,24 @@ def test_a_stall_report_names_a_rank_that_did_not_answer_in_words():
     assert lines[2:] == ["  rank 0: waiting in the gradient allreduce at epoch 8, training after step 79",
                          "  rank 1: no answer within 5 s (gone, or its interpreter held in native code)",
                          "hvdtrain: the job stopped waiting for rank 1, which did not answer"]
+
+
+def test_a_rank_waiting_in_horovod_is_shown_in_horovod_s_wait_not_in_the_polite_loop_around_it():
+    import hvdtrain
+    from hvdtrain.engine import whereabouts
+
+    ours, site = os.path.dirname(hvdtrain.__file__), os.path.dirname(os.path.dirname(torch.__file__))
+    frames = [[f"{ours}/train/loop.py", 10, "apply_gradients", "engine.synchronize(optimizer)"],
+              [f"{site}/horovod/torch/optimizer.py", 284, "synchronize", "output = synchronize(handle)"],
+              [f"{site}/horovod/torch/mpi_ops.py", 1285, "synchronize", "mpi_lib.horovod_torch_wait_and_clear(handle)"],
+              [f"{ours}/engine/horovod_wait.py", 60, "wait_and_clear", "wait_politely(...)"],
+              [f"{ours}/engine/horovod_wait.py", 45, "wait_politely", "time.sleep(...)"]]
+    report = {"rank": 0, "host": "h", "pid": 1, "device": "cpu", "where": "epoch 1, training after step 4",
+              "phase": "compute", "phase_for": 3.0, "collective": "the gradient allreduce", "collective_for": 3.0,
+              "stacks": [{"thread": "MainThread", "frames": frames}]}
+    lines = whereabouts._rank_lines(0, report, stack=True)
+    assert [line.split(":", 1)[1].split(" in ")[0].strip() for line in lines[1:]] == \
+        [f"{site}/horovod/torch/mpi_ops.py:1285", f"{site}/horovod/torch/optimizer.py:284"], lines
 
 
 def test_a_link_to_a_port_that_is_not_rank_0_s_is_refused():

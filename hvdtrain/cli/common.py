@@ -85,21 +85,31 @@ def _collective_failure(err: Exception) -> bool:
     return any(engine is not None and engine.is_collective_failure(err) for engine in engines)
 
 
+class _CtrlC(Exception):
+    """Ctrl-C came during the wait for rank 0's word: the wait is over."""
+
+
 def _wait_for_rank_0_s_word(seconds: float) -> None:
     """dist: a rank other than 0 about to report a failure waits `seconds` first, where a launcher ends
     the job on one: rank 0 failing too says the one line and its exit ends the job, and this rank, first.
-    A scheduler's warning signal or a Ctrl-C meanwhile must not end this rank without its line (the only
-    one where rank 0 did not fail): only the launcher's SIGTERM does."""
+    Neither a scheduler's warning signal nor a Ctrl-C meanwhile may end this rank without its line (the
+    only one where rank 0 did not fail): the warning is ignored, a Ctrl-C ends the wait (the caller says
+    its line and exits at once), and only the launcher's SIGTERM ends the rank as it is."""
     import signal
 
+    def ctrl_c(number: int, frame: object) -> None:
+        raise _CtrlC
+
     held = {}
-    for number in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+    for number, handler in ((signal.SIGINT, ctrl_c), (signal.SIGUSR1, signal.SIG_IGN), (signal.SIGUSR2, signal.SIG_IGN)):
         try:
-            held[number] = signal.signal(number, signal.SIG_IGN)
+            held[number] = signal.signal(number, handler)
         except (ValueError, OSError):  # not the main thread: the wait as it is
             pass
     try:
         time.sleep(seconds)
+    except _CtrlC:
+        pass
     finally:
         for number, handler in held.items():
             signal.signal(number, handler)

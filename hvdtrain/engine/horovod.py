@@ -13,7 +13,7 @@ import torch
 from hvdtrain.engine.base import ElasticState, GradientSync, T
 from hvdtrain.engine.buckets import host_values
 from hvdtrain.engine.horovod_start import MPI_SETTINGS, mpi_controls, set_ours, start_mpi
-from hvdtrain.engine.horovod_wait import give_the_core_back_while_waiting
+from hvdtrain.engine.horovod_wait import wait_politely_in
 from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.errors import UserError
 from hvdtrain.engine.activity import SET_UP_SECONDS, Activity
@@ -78,7 +78,6 @@ class HorovodEngine(WatchedEngine):
                 "run launch/install.sh, or run hvdtrain fit alone without horovodrun/mpirun"
             )
         global _scripts_own, _ours_running
-        give_the_core_back_while_waiting(_horovod_ops.mpi_lib)  # a script's own Horovod too: the same results
         _scripts_own = hvd.is_initialized() and not _ours_running  # the script's own hvd.init() came first
         if _scripts_own:
             return  # its settings and its MPI; it goes on using Horovod after fit, which leaves it running
@@ -104,6 +103,7 @@ class HorovodEngine(WatchedEngine):
 
     @classmethod
     def start(cls, device: torch.device, stall_timeout: int = 0) -> "HorovodEngine":
+        wait_politely_in(_horovod_ops.mpi_lib, polite=device.type == "cpu")  # a script's own Horovod too
         controller = "mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled() else "unknown"
         return cls(device, controller)
 

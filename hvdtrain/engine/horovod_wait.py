@@ -7,6 +7,11 @@ also compute (CPU training, more ranks than cores, a GPU node's data-loader work
 from the very rank, or worker, being waited for. Here the wait polls briefly, as Horovod does, then
 sleeps between polls for a share of the time waited so far: a short wait ends as soon, a long one
 costs a few percent of a core instead of all of it.
+
+Only where the ranks train on CPUs, where it was measured (BENCHMARKS.md): on a GPU, where each step's
+last gradients can arrive tens of milliseconds after backward, a sleep's lateness (up to 1/32 of the
+wait) would be paid on every step, and Horovod's own wait is kept. As with Horovod's wait, a signal
+handler that raises (Ctrl-C's KeyboardInterrupt) ends the wait, here before the collective finished.
 """
 
 from __future__ import annotations
@@ -19,9 +24,8 @@ from typing import Any, Callable
 # two of its background thread (1 ms each), and a caller woken late would miss the next cycle.
 SPIN_SECONDS = 5e-3
 # Then each sleep is this share of the time waited so far (a wait ends at most about this much late),
-# within these bounds (a sleep of 1 ms costs about 5% of a core in wake-ups).
+# and at most 1 ms (which costs about 5% of a core in wake-ups).
 NAP_SHARE = 1 / 32
-SHORTEST_NAP_SECONDS = 50e-6
 LONGEST_NAP_SECONDS = 1e-3
 
 
@@ -35,20 +39,25 @@ def wait_politely(done: Callable[[], bool]) -> None:
         if waited < SPIN_SECONDS:
             os.sched_yield()
         else:
-            time.sleep(min(LONGEST_NAP_SECONDS, max(SHORTEST_NAP_SECONDS, waited * NAP_SHARE)))
+            time.sleep(min(LONGEST_NAP_SECONDS, waited * NAP_SHARE))
 
 
-def give_the_core_back_while_waiting(mpi_lib: Any) -> None:
-    """Replaces the extension's `wait_and_clear` (once per process) with a polite wait, then Horovod's own,
-    which returns at once for a finished collective and raises its error as it always has."""
-    busy_wait = mpi_lib.horovod_torch_wait_and_clear
-    if getattr(busy_wait, "polite", False):
+def wait_politely_in(mpi_lib: Any, polite: bool) -> None:
+    """Sets the extension's `wait_and_clear` to the polite wait (`polite`) or back to Horovod's own. The
+    polite one ends in Horovod's, which returns at once for a finished collective and raises its error
+    as it always has."""
+    current = mpi_lib.horovod_torch_wait_and_clear
+    own = getattr(current, "horovods_own", current)
+    if not polite:
+        mpi_lib.horovod_torch_wait_and_clear = own
+        return
+    if own is not current:
         return
     poll = mpi_lib.horovod_torch_poll
 
     def wait_and_clear(handle: int) -> None:
         wait_politely(lambda: poll(handle) != 0)
-        busy_wait(handle)
+        own(handle)
 
-    wait_and_clear.polite = True  # type: ignore[attr-defined]
+    wait_and_clear.horovods_own = own  # type: ignore[attr-defined]
     mpi_lib.horovod_torch_wait_and_clear = wait_and_clear
