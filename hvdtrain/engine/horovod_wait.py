@@ -10,8 +10,9 @@ costs a few percent of a core instead of all of it.
 
 Only where the ranks train on CPUs, where it was measured (BENCHMARKS.md): on a GPU, where each step's
 last gradients can arrive tens of milliseconds after backward, a sleep's lateness (up to 1/32 of the
-wait) would be paid on every step, and Horovod's own wait is kept. As with Horovod's wait, a signal
-handler that raises (Ctrl-C's KeyboardInterrupt) ends the wait, here before the collective finished.
+wait) would be paid on every step, and Horovod's own wait is kept. Horovod's wait ran Python's signal
+handlers only once the collective had finished; here one that raises (a KeyboardInterrupt outside fit's
+own handlers) ends the wait before it has, leaving the collective behind (the command then ends).
 """
 
 from __future__ import annotations
