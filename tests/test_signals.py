@@ -329,7 +329,9 @@ class _Module:
         print("torn down", flush=True)
 sys.modules["a_module_torn_down_at_exit"] = _Module()
 if os.environ.get("A_THREAD_OF_THE_USER"):
-    threading.Thread(target=lambda: (time.sleep(0.5), print("the user's thread ended", flush=True))).start()
+    # alive until the main thread has ended, however long the command takes on a loaded host
+    threading.Thread(target=lambda: (threading.main_thread().join(), time.sleep(0.1),
+                                     print("the user's thread ended", flush=True))).start()
 '''
 
 
