@@ -257,6 +257,10 @@ BAD = {
     # a script's distributed optimizer would send every gradient twice: Horovod's under Horovod, ZeRO under torch
     "optimizer already distributed": (["--optimizer", "user_code:wrapped_optimizer"],
                                       "'user_code:wrapped_optimizer' returned {}: return the optimizer itself"),
+    # before, Horovod's mismatch was read as another rank's failure, which no rank named; Gloo aborted
+    "model built alike on no two ranks": (["--data", "user_code:blobs", "--model", "user_code:net_sized_by_rank"],
+                                          "rank 1 built another model than rank 0: '1.weight' is 24×5 there, 16×5 on "
+                                          "rank 0"),
 }
 
 
@@ -267,7 +271,8 @@ BAD_RUNS = [(launcher, case) for launcher in LAUNCHERS for case in ("wrong confi
             if (launcher, case) != ("horovodrun-mpi", "loss not a scalar")] + [
     ("torchrun", "factory does not import"), ("horovodrun-gloo", "more processes than samples"),
     ("torchrun", "Horovod engine under torchrun"), ("mpirun", "local engine under a launcher"),
-    ("horovodrun-mpi", "optimizer already distributed"), ("torchrun", "optimizer already distributed")]
+    ("horovodrun-mpi", "optimizer already distributed"), ("torchrun", "optimizer already distributed"),
+    ("horovodrun-gloo", "model built alike on no two ranks"), ("torchrun", "model built alike on no two ranks")]
 
 
 # Rank 0 starts this long after the others in the command-line case: launchers stop every rank once

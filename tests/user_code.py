@@ -49,6 +49,13 @@ def tiny_net(input_shape, num_classes):
     return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], 16), nn.Tanh(), nn.Linear(16, num_classes))
 
 
+def net_sized_by_rank(input_shape, num_classes):
+    """A mistake: a model sized from what each rank reads itself (a vocabulary from its own files),
+    here wider on rank 1."""
+    width = 16 + 8 * _rank()
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], width), nn.Tanh(), nn.Linear(width, num_classes))
+
+
 def not_a_model():
     return 42
 

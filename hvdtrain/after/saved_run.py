@@ -22,6 +22,7 @@ from hvdtrain.config import Config
 from hvdtrain.data.sources import build_data
 from hvdtrain.engine import Engine
 from hvdtrain.errors import UserError, message_lines
+from hvdtrain.model_layout import check_same_model
 from hvdtrain.models import ModelShapes, load_weights, unwrapped
 from hvdtrain.tasks import Task, build_task
 
@@ -56,6 +57,7 @@ def open_run(engine: Engine, run_dir: str | Path, which: str = "best",
         if state is not None:
             _load_weights(model, state["model"], meta["path"])
         model = model.to(engine.device).eval()
+    check_same_model(model, engine)  # dist: a factory may build another model on some rank
     engine.broadcast_parameters(model)  # dist: every rank holds rank 0's weights
     return SavedRun(run_dir, Path(meta["path"]), config, meta["epoch"], shapes, task, model)
 

@@ -48,8 +48,8 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
 
     def before_sync() -> None:
         engine.settle("setup", None)
-        with engine.agree("data"):
-            trainer.check_same_data()
+        with engine.agree("built_alike"):
+            trainer.check_built_alike()
 
     run = trainer.run
     state = engine.elastic_state(

@@ -46,8 +46,8 @@ def _set_up(trainer: Trainer) -> Callbacks:
                                     config.train.early_stopping_min_delta)
         if config.run.mlflow:
             require_mlflow()
-    with engine.agree("data"):
-        trainer.check_same_data()
+    with engine.agree("built_alike"):
+        trainer.check_built_alike()
     callbacks.settle(engine)
     never = callbacks.hooks_never_called()
     if engine.rank == 0 and never:

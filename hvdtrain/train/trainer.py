@@ -25,6 +25,8 @@ from hvdtrain.io.checkpoint import Start
 from hvdtrain.io.progress import say
 from hvdtrain.io import run_lock
 from hvdtrain.io.run_dir import after_a_restart, prepare_run_dir
+from hvdtrain.model_layout import check_same_model
+from hvdtrain.models import unwrapped
 from hvdtrain.train.callbacks import Callbacks, StoppedEarly
 from hvdtrain.train.checkpointer import Checkpointer, restore
 from hvdtrain.train.failures import located
@@ -96,8 +98,10 @@ class Trainer:
         self.shard: Shard = shard(self.run, self.config, self.engine)
         self.first, self.best = check_task(self.run, self.config, self.engine)
 
-    def check_same_data(self) -> None:
+    def check_built_alike(self) -> None:
+        """Every rank's data set and model the same as rank 0's (collectives)."""
         check_same_data(self.run, self.engine)  # dist
+        check_same_model(unwrapped(self.run.model), self.engine)  # dist
 
     def start_on_root(self) -> Start:
         """On rank 0, after every check passed: the run directory, and the checkpoint when resuming.

@@ -1,0 +1,76 @@
+"""Every rank must build the same model: what the check says of each way a rank's differs from rank 0's
+(the check under real launchers, both engines: tests/test_multiprocess.py, bad input)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hvdtrain.engine.local import LocalEngine
+from hvdtrain.errors import UserError
+from hvdtrain.model_layout import check_same_model, difference, layout
+
+
+def _net(width: int = 8, extra: bool = False) -> nn.Module:
+    layers = [nn.Linear(4, width), nn.BatchNorm1d(width)] + ([nn.Linear(width, width)] if extra else [])
+    return nn.Sequential(*layers, nn.Linear(width, 3))
+
+
+def _frozen_first() -> nn.Module:
+    net = _net()
+    net[0].weight.requires_grad_(False)
+    return net
+
+
+@pytest.mark.parametrize("other, said", [
+    (lambda: _net(width=12), "'0.weight' is 12×4 there, 8×4 on rank 0"),
+    (lambda: _net(extra=True), "'2.weight' is 8×8 there, 3×8 on rank 0 (11 tensors there, 9 on rank 0)"),
+    (lambda: _net().double(), "'0.weight' is float64 there, float32 on rank 0"),
+    (_frozen_first, "'0.weight' is frozen (requires_grad False) there, trained on rank 0"),
+    (lambda: nn.Sequential(nn.Linear(4, 8), nn.Identity(), nn.Linear(8, 3)),
+     "it lacks rank 0's '1.weight' (4 tensors there, 9 on rank 0)"),
+])
+def test_the_first_difference_from_rank_0_s_model_is_named(other, said):
+    assert difference(layout(_net()), layout(other())) == said
+
+
+def test_a_tensor_rank_0_lacks_and_an_order_of_its_own_are_named():
+    root = layout(nn.Sequential(nn.Linear(4, 3)))
+    more = layout(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 3)))
+    assert difference(root, more) == "it has '1.weight', which rank 0's has not (4 tensors there, 2 on rank 0)"
+    assert difference(root, list(reversed(root))) == "the same tensors, in another order"
+
+
+def test_a_buffer_and_a_parameter_of_one_name_differ():
+    with_buffer = nn.Linear(4, 3)
+    bias = with_buffer.bias.detach().clone()
+    del with_buffer.bias
+    with_buffer.register_buffer("bias", bias)
+    assert difference(layout(nn.Linear(4, 3)), layout(with_buffer)) == "'bias' is a buffer there, trained on rank 0"
+
+
+class _RankOneBuiltAnother(LocalEngine):
+    """Rank 0 of two, whose rank 1 built `theirs`: its collectives answer with both ranks' shares."""
+
+    def __init__(self, theirs: nn.Module):
+        super().__init__(torch.device("cpu"))
+        self.theirs = theirs
+        self.gathered: list[str] = []
+
+    def allgather_object(self, obj, name):
+        self.gathered.append(name)
+        if name == "model_layout":
+            return [obj, "another digest" if self.theirs is not None else obj]
+        return [obj, layout(self.theirs)]
+
+
+def test_the_check_gathers_a_digest_and_the_layouts_only_where_they_differ():
+    alike = _RankOneBuiltAnother(None)
+    check_same_model(_net(), alike)
+    assert alike.gathered == ["model_layout"]  # one small collective where every rank built the same
+    differs = _RankOneBuiltAnother(_net(width=12))
+    with pytest.raises(UserError, match=r"^rank 1 built another model than rank 0: '0.weight' is 12×4 there, 8×4 "
+                                        r"on rank 0; every rank must build the same model: seed"):
+        check_same_model(_net(), differs)
+    assert differs.gathered == ["model_layout", "model_layouts"]
