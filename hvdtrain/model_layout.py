@@ -8,11 +8,11 @@ abort), or worse, agree in size and train nonsense. Checked once, before the fir
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING, NamedTuple
 
 from torch import nn
 
+from hvdtrain.alike import unlike_rank_0
 from hvdtrain.errors import UserError
 
 if TYPE_CHECKING:
@@ -37,14 +37,11 @@ def layout(model: nn.Module) -> list[Tensor]:
 def check_same_model(model: nn.Module, engine: Engine) -> None:
     """Raises UserError on every rank where some rank built another model than rank 0's (a collective:
     every rank calls it, with the module itself, not a compiled wrapper)."""
-    mine = layout(model)
-    digests = engine.allgather_object(hashlib.sha256(repr(mine).encode()).hexdigest(), "model_layout")  # dist
-    if len(set(digests)) == 1:
+    unlike = unlike_rank_0(layout(model), engine, "model_layout")
+    if unlike is None:
         return
-    # dist: every rank got here (the digests are the same everywhere): the layouts, to say what differs
-    layouts = engine.allgather_object(mine, "model_layouts")
-    other = next(rank for rank, digest in enumerate(digests) if digest != digests[0])
-    raise UserError(f"rank {other} built another model than rank 0: {difference(layouts[0], layouts[other])}; "
+    other, root, theirs = unlike
+    raise UserError(f"rank {other} built another model than rank 0: {difference(root, theirs)}; "
                     "every rank must build the same model: seed what your factory draws at random, and size the "
                     "model from what every rank reads alike (the whole data set, not a rank's or host's own files)")
 

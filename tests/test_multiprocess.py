@@ -261,6 +261,10 @@ BAD = {
     "model built alike on no two ranks": (["--data", "user_code:blobs", "--model", "user_code:net_sized_by_rank"],
                                           "rank 1 built another model than rank 0: '1.weight' is 24×5 there, 16×5 on "
                                           "rank 0"),
+    # a config file edited on one host: Horovod waited 300 s for rank 1's gradients, then named it as stuck
+    "settings differ on rank 1": (["--data", "user_code:blobs", "--model", "user_code:tiny_net"],
+                                  "rank 1 was started with other settings than rank 0: data.batch_size is 8 there, 64 "
+                                  "on rank 0; train.epochs is 3 there, 20 on rank 0: start every rank with the same"),
 }
 
 
@@ -272,12 +276,17 @@ BAD_RUNS = [(launcher, case) for launcher in LAUNCHERS for case in ("wrong confi
     ("torchrun", "factory does not import"), ("horovodrun-gloo", "more processes than samples"),
     ("torchrun", "Horovod engine under torchrun"), ("mpirun", "local engine under a launcher"),
     ("horovodrun-mpi", "optimizer already distributed"), ("torchrun", "optimizer already distributed"),
-    ("horovodrun-gloo", "model built alike on no two ranks"), ("torchrun", "model built alike on no two ranks")]
+    ("horovodrun-gloo", "model built alike on no two ranks"), ("torchrun", "model built alike on no two ranks"),
+    ("mpirun", "settings differ on rank 1"), ("torchrun", "settings differ on rank 1")]
 
 
 # Rank 0 starts this long after the others in the command-line case: launchers stop every rank once
 # one exits, so the quiet ranks must not leave before rank 0 has said what is wrong.
 RANK_0_LATE = 'rank=${HOROVOD_RANK:-${OMPI_COMM_WORLD_RANK:-$RANK}}; [ "$rank" = 0 ] && sleep 2; exec "$@"'
+# Rank 1 started with settings of its own.
+RANK_1_OTHERWISE = 'rank=${HOROVOD_RANK:-${OMPI_COMM_WORLD_RANK:-$RANK}}; [ "$rank" = 1 ] && ' \
+                   'set -- "$@" --batch-size 8 --epochs 3; exec "$@"'
+SHELL_BEFORE = {"wrong config type": RANK_0_LATE, "settings differ on rank 1": RANK_1_OTHERWISE}
 
 
 @pytest.mark.parametrize("launcher, case", BAD_RUNS)
@@ -286,9 +295,9 @@ def test_bad_input_under_each_launcher(launcher, case, tmp_path):
     existing = tmp_path / "existing"
     shutil.copytree(ROOT / "tests", existing / "untouched")  # stands for a previous run's files
     fit = ["hvdtrain", "fit", "--progress", "off", *args, "--run-dir", str(existing), "--overwrite"]
-    if case == "wrong config type":
+    if case in SHELL_BEFORE:
         no_python = ["--no-python"] if launcher == "torchrun" else []
-        fit = [*no_python, "sh", "-c", RANK_0_LATE, "sh", *fit]
+        fit = [*no_python, "sh", "-c", SHELL_BEFORE[case], "sh", *fit]
     started = time.monotonic()
     done = run([*LAUNCHERS[launcher], *fit], timeout=90)
     if case == "wrong config type":  # rank 0 found its rank and started late: the case was exercised

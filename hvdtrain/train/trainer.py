@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
+from hvdtrain.alike import check_same_settings, settings
 from hvdtrain.config import Config
 from hvdtrain.data.augment import on_device
 from hvdtrain.engine import Engine
@@ -75,6 +76,8 @@ class Trainer:
 
     def __init__(self, config: Config, engine: Engine, started: float):
         self.config, self.engine = config, engine
+        # As this rank was started: a resume sets optim.lr_batch later, an elastic worker's before one that joins
+        self.started_with = settings(config)
         self.totals = Totals(started, 0)
         self.callbacks = Callbacks([])
         self.stops: StopPolicy = NeverStop()
@@ -99,7 +102,8 @@ class Trainer:
         self.first, self.best = check_task(self.run, self.config, self.engine)
 
     def check_built_alike(self) -> None:
-        """Every rank's data set and model the same as rank 0's (collectives)."""
+        """Every rank's settings, data set and model the same as rank 0's (collectives)."""
+        check_same_settings(self.started_with, self.engine)  # dist
         check_same_data(self.run, self.engine)  # dist
         check_same_model(unwrapped(self.run.model), self.engine)  # dist
 

@@ -1,5 +1,6 @@
-"""Every rank must build the same model: what the check says of each way a rank's differs from rank 0's
-(the check under real launchers, both engines: tests/test_multiprocess.py, bad input)."""
+"""Every rank must be started with the same settings and build the same model: what the checks say of
+each way a rank's differ from rank 0's (the checks under real launchers, both engines:
+tests/test_multiprocess.py, bad input)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from hvdtrain.alike import check_same_settings, digest, settings
+from hvdtrain.config import Config
 from hvdtrain.engine.local import LocalEngine
 from hvdtrain.errors import UserError
 from hvdtrain.model_layout import check_same_model, difference, layout
@@ -50,27 +53,41 @@ def test_a_buffer_and_a_parameter_of_one_name_differ():
     assert difference(layout(nn.Linear(4, 3)), layout(with_buffer)) == "'bias' is a buffer there, trained on rank 0"
 
 
-class _RankOneBuiltAnother(LocalEngine):
-    """Rank 0 of two, whose rank 1 built `theirs`: its collectives answer with both ranks' shares."""
+class _RankOneHasAnother(LocalEngine):
+    """Rank 0 of two, whose rank 1 holds `theirs` (None: what rank 0 holds): its allgathers answer with
+    both ranks' shares."""
 
-    def __init__(self, theirs: nn.Module):
+    def __init__(self, theirs):
         super().__init__(torch.device("cpu"))
         self.theirs = theirs
         self.gathered: list[str] = []
 
     def allgather_object(self, obj, name):
         self.gathered.append(name)
-        if name == "model_layout":
-            return [obj, "another digest" if self.theirs is not None else obj]
-        return [obj, layout(self.theirs)]
+        if not name.endswith(".values"):  # the digests
+            return [obj, obj if self.theirs is None else digest(self.theirs)]
+        return [obj, self.theirs]
 
 
 def test_the_check_gathers_a_digest_and_the_layouts_only_where_they_differ():
-    alike = _RankOneBuiltAnother(None)
+    alike = _RankOneHasAnother(None)
     check_same_model(_net(), alike)
     assert alike.gathered == ["model_layout"]  # one small collective where every rank built the same
-    differs = _RankOneBuiltAnother(_net(width=12))
+    differs = _RankOneHasAnother(layout(_net(width=12)))
     with pytest.raises(UserError, match=r"^rank 1 built another model than rank 0: '0.weight' is 12×4 there, 8×4 "
                                         r"on rank 0; every rank must build the same model: seed"):
         check_same_model(_net(), differs)
-    assert differs.gathered == ["model_layout", "model_layouts"]
+    assert differs.gathered == ["model_layout", "model_layout.values"]
+
+
+def test_settings_that_differ_are_named_three_at_most_and_a_host_s_own_are_not():
+    root = Config.from_dict({"train": {"threads": 2}, "data": {"name": "/scratch/node0/x.npz"}})
+    per_host = Config.from_dict({"train": {"threads": 8}, "data": {"name": "/scratch/node1/x.npz", "num_workers": 3},
+                                 "run": {"dir": "elsewhere", "progress": "off"}})
+    check_same_settings(settings(root), _RankOneHasAnother(settings(per_host)))
+    edited = Config.from_dict({"data": {"batch_size": 8}, "train": {"epochs": 3, "seed": 1},
+                               "optim": {"lr": 0.5, "name": "adamw"}})
+    with pytest.raises(UserError, match=r"^rank 1 was started with other settings than rank 0: data.batch_size is 8 "
+                                        r"there, 64 on rank 0; optim.name is 'adamw' there, 'sgd' on rank 0; optim.lr "
+                                        r"is 0.5 there, 0.05 on rank 0 \(and 2 more\): start every rank with the same"):
+        check_same_settings(settings(root), _RankOneHasAnother(settings(edited)))
