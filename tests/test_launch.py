@@ -217,6 +217,40 @@ def test_horovodrun_s_check_build_read_by_a_reader_that_leaves_at_once_is_no_tra
     assert done.returncode == 1 and done.stderr == "", done.stderr
 
 
+@requires_launchers
+@pytest.mark.parametrize("arguments, said, code", [
+    # a script's $NP unset: under --gloo nothing ran and the status was 0
+    (["-np", "0", "--gloo"], "-np must be at least 1, got 0", 2),
+    (["-np", "-1"], "-np must be at least 1, got -1", 2),
+    (["-np", "3", "--gloo", "-H", "localhost:2"], "Requested more processes (3) than there are available slots (2): "
+                                                  "ask fewer with -np, or give the hosts more slots", 2),
+    (["-np", "2", "-H", "localhost:two"], "Invalid host input, please make sure it has format as", 2),
+    (["-np", "2", "--gloo", "--hostfile", "no-such-hostfile"], "No such file or directory: no-such-hostfile", 2),
+])
+def test_horovodrun_s_refusal_of_its_own_arguments_is_one_line(arguments, said, code, tmp_path):
+    """Horovod's runner refused these with a traceback (or, -np 0 under --gloo, ran nothing and exited 0)."""
+    _refused_in_one_line(["horovodrun", *arguments], f"horovodrun: error: {said}", code, tmp_path)
+
+
+@requires_launchers
+@pytest.mark.parametrize("arguments, said", [
+    (["--nproc-per-node", "0"], "--nproc-per-node 0: give a number of processes per node (at least 1), or auto"),
+    (["--nproc-per-node", "two"], "--nproc-per-node two: give a number of processes per node"),
+    (["--nproc-per-node", "2", "--nnodes", "2:1"], "--nnodes 2:1: give a number of nodes (at least 1), or MIN:MAX"),
+])
+def test_torchrun_s_refusal_of_its_own_sizes_is_one_line(arguments, said, tmp_path):
+    """torchrun refused these with a traceback of its own (`--nproc-per-node 0`: an AssertionError without a word)."""
+    _refused_in_one_line(["torchrun", *arguments], f"torchrun: error: {said}", 2, tmp_path)
+
+
+def _refused_in_one_line(launcher: list[str], said: str, code: int, tmp_path: Path) -> None:
+    done = subprocess.run([*launcher, "hvdtrain", "fit", "--run-dir", str(tmp_path / "r")],
+                          env=launch_env(), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == code and done.stdout == "", done
+    assert done.stderr.startswith(said) and done.stderr.count("\n") == 1, done.stderr
+    assert not (tmp_path / "r").exists()
+
+
 HOROVOD_MPIRUN = "mpirun --allow-run-as-root --tag-output -np 2 -H localhost:2 -bind-to none -map-by slot " \
                  "-mca pml ob1 -mca btl ^openib -mca btl_tcp_if_include lo hvdtrain fit"
 
