@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
+import torch
 from torch import nn
 
 from hvdtrain.alike import unlike_rank_0
@@ -30,8 +31,9 @@ class Tensor(NamedTuple):
 def layout(model: nn.Module) -> list[Tensor]:
     """The model's state, tensor by tensor, in the order the engines broadcast it."""
     trained = {name: parameter.requires_grad for name, parameter in model.named_parameters()}
-    return [Tensor(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), trained.get(name))
-            for name, tensor in model.state_dict().items()]
+    return [Tensor(name, tuple(value.shape), str(value.dtype).removeprefix("torch."), trained.get(name))
+            if isinstance(value, torch.Tensor) else Tensor(name, (), f"extra state ({type(value).__name__})", None)
+            for name, value in model.state_dict().items()]
 
 
 def check_same_model(model: nn.Module, engine: Engine) -> None:

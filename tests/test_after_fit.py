@@ -227,6 +227,29 @@ def test_a_model_its_factory_compiled_is_evaluated_predicted_and_exported(tmp_pa
     assert np.load(tmp_path / "p.npy").shape[0] > 0 and (tmp_path / "m.safetensors").is_file()
 
 
+def test_a_model_with_extra_state_trains_evaluates_and_exports_it(tmp_path, capsys, monkeypatch):
+    """A state dict may hold objects (a module's get_extra_state): both engines' broadcast and the
+    safetensors export took them for tensors and failed. safetensors keeps JSON extra state in its metadata
+    and refuses other in one line."""
+    run_dir = tmp_path / "run"
+    main(["fit", *LOCAL, "--data", "user_code:blobs", "--model", "user_code:VocabularyNet", "--epochs", "1",
+          "--batch-size", "16", "--run-dir", str(run_dir)])
+    main(["evaluate", str(run_dir), "--output", str(tmp_path / "e.json")])
+    main(["export", str(run_dir), "--output", str(tmp_path / "m.safetensors")])
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "m.safetensors"), "pt") as handle:
+        assert json.loads(handle.metadata()["hvdtrain.extra_state"]) == {"_extra_state": {"words": ["a", "b"]}}
+    monkeypatch.setenv("HVDTRAIN_TEST_EXTRA_STATE", "object")
+    main(["fit", *LOCAL, "--data", "user_code:blobs", "--model", "user_code:VocabularyNet", "--epochs", "1",
+          "--batch-size", "16", "--run-dir", str(tmp_path / "other")])
+    with pytest.raises(SystemExit) as refused:
+        main(["export", str(tmp_path / "other"), "--output", str(tmp_path / "other.safetensors")])
+    assert refused.value.code == 2 and not (tmp_path / "other.safetensors").exists()
+    assert "hvdtrain: error: the model's extra state ('_extra_state', a dict: its modules' get_extra_state) is not " \
+           "JSON" in capsys.readouterr().err
+
+
 def test_a_model_in_data_parallel_trains_as_the_module_inside_it(tmp_path, capsys):
     """DataParallel around a factory's model is taken off with one warning: the checkpoint holds the module's
     own names and weights, as a run of the plain model, and evaluate loads it."""

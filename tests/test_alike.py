@@ -45,6 +45,20 @@ def test_a_tensor_rank_0_lacks_and_an_order_of_its_own_are_named():
     assert difference(root, list(reversed(root))) == "the same tensors, in another order"
 
 
+class _Versioned(nn.Linear):
+    def get_extra_state(self):
+        return {"vocabulary": ["a", "b"]}
+
+    def set_extra_state(self, state):
+        pass
+
+
+def test_extra_state_is_compared_by_its_type_and_named_where_a_rank_lacks_it():
+    assert layout(_Versioned(4, 3))[-1] == ("_extra_state", (), "extra state (dict)", None)
+    assert difference(layout(_Versioned(4, 3)), layout(nn.Linear(4, 3))) == \
+        "it lacks rank 0's '_extra_state' (2 tensors there, 3 on rank 0)"
+
+
 def test_a_buffer_and_a_parameter_of_one_name_differ():
     with_buffer = nn.Linear(4, 3)
     bias = with_buffer.bias.detach().clone()

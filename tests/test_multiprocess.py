@@ -146,6 +146,14 @@ def test_every_rank_holds_identical_parameters_after_k_steps(launcher, combine, 
             assert_same_weights(averaged["final"], rank0["final"], atol=1e-6)
 
 
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun", "torchrun"])
+def test_a_module_s_extra_state_is_rank_0_s_after_the_broadcast(launcher, collectives):
+    """A state dict may hold objects (get_extra_state): both engines broadcast only tensors, and failed on them."""
+    _, done = collectives(launcher)
+    for rank in (0, 1):
+        assert f"rank {rank} holds extra state {{'rank': 0}}" in done.stdout, done.stdout
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """`one_process(*args)`: the final weights of `hvdtrain fit *args` in one process, run once per

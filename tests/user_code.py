@@ -370,6 +370,28 @@ def compiled_net(input_shape, num_classes):
     return torch.compile(tiny_net(input_shape, num_classes), backend="eager")
 
 
+class VocabularyNet(nn.Module):
+    """A model with extra state in its state dict (get_extra_state), as a vocabulary or a version is kept;
+    HVDTRAIN_TEST_EXTRA_STATE=object: one that is not JSON."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        import os
+
+        self.net = tiny_net(input_shape, num_classes)
+        self.vocabulary = {"words": ["a", "b"]} if os.environ.get("HVDTRAIN_TEST_EXTRA_STATE") != "object" else \
+            {"words": {"a", "b"}}
+
+    def get_extra_state(self):
+        return self.vocabulary
+
+    def set_extra_state(self, state):
+        self.vocabulary = state
+
+    def forward(self, x):
+        return self.net(x)
+
+
 def half_net(input_shape, num_classes):
     """Built in float16, as `.half()` makes it, for float32 data."""
     return tiny_net(input_shape, num_classes).half()

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hvdtrain.data.batch import split_batch, takes_keyword, tensors_in
+from hvdtrain.engine.base import extra_state, model_tensors
 from hvdtrain.io.atomic import WriteFailed, make_dir, shared_file_mode, why_not_written
 from hvdtrain.errors import UserError, message_lines
 from hvdtrain.after.saved_run import SavedRun
@@ -140,7 +141,29 @@ def _safetensors_write(saved: SavedRun, path: Path, args: tuple, kwargs: dict) -
     metadata = {"format": "pt", "hvdtrain.config": json.dumps(saved.config.to_dict()),
                 "hvdtrain.shapes": json.dumps(saved.shapes.to_dict()), "hvdtrain.task": saved.task.name,
                 "hvdtrain.epoch": str(saved.epoch)}
-    save_model(saved.model, str(path), metadata=metadata)
+    extra = extra_state(saved.model)
+    if extra:  # a module's get_extra_state: no tensor, kept in the metadata where it is JSON
+        try:
+            metadata["hvdtrain.extra_state"] = json.dumps(extra)
+        except (TypeError, ValueError):
+            name, value = next(iter(extra.items()))
+            raise UserError(f"the model's extra state ('{name}', a {type(value).__name__}: its modules' "
+                            "get_extra_state) is not JSON, which a safetensors file's metadata holds: export it "
+                            "with --format torchscript or pt2, or give get_extra_state lists, dicts, strings and "
+                            "numbers") from None
+    save_model(_Tensors(saved.model), str(path), metadata=metadata)
+
+
+class _Tensors:
+    """A model as safetensors' save_model and load_model see it: its tensors, not its extra state (which
+    they would take for tensors)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.load_state_dict = model.load_state_dict
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return model_tensors(self.model)
 
 
 def _safetensors_load(saved: SavedRun, path: Path, args: tuple, kwargs: dict) -> Any:
@@ -155,7 +178,13 @@ def _safetensors_load(saved: SavedRun, path: Path, args: tuple, kwargs: dict) ->
         metadata = handle.metadata()
     config = Config.from_dict(json.loads(metadata["hvdtrain.config"]))
     model = unwrapped(ModelShapes.from_dict(json.loads(metadata["hvdtrain.shapes"])).build(config.model))
-    load_model(model, str(path))
+    missing, unexpected = load_model(_Tensors(model), str(path), strict=False)
+    missing = set(missing) - set(extra_state(model))  # set from the metadata below
+    if missing or unexpected:
+        raise RuntimeError(f"the file's tensors do not fit the model: missing {sorted(missing)}, unexpected "
+                           f"{sorted(unexpected)}")
+    if "hvdtrain.extra_state" in metadata:
+        model.load_state_dict(json.loads(metadata["hvdtrain.extra_state"]), strict=False)
     return _call(model.to(_device_of(args, kwargs)).eval(), args, kwargs)
 
 

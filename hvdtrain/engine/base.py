@@ -270,6 +270,17 @@ class RankFailed(Exception):
         self.rank, self.kind, self.message = rank, kind, message
 
 
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by name, in state-dict order: its state less any extra state
+    (a module's get_extra_state: a vocabulary, a version, any object)."""
+    return {name: value for name, value in model.state_dict().items() if isinstance(value, torch.Tensor)}
+
+
+def extra_state(model: torch.nn.Module) -> dict[str, Any]:
+    """The modules' extra state (get_extra_state) by state-dict key; load_state_dict(strict=False) sets it."""
+    return {name: value for name, value in model.state_dict().items() if not isinstance(value, torch.Tensor)}
+
+
 def on_cpu(value: Any) -> Any:
     """`value` (a state dict: dicts, lists, tensors) with every tensor copied to the host."""
     if isinstance(value, torch.Tensor):

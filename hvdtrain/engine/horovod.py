@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from hvdtrain.engine.base import ElasticState, GradientSync, T
+from hvdtrain.engine.base import ElasticState, GradientSync, T, model_tensors
 from hvdtrain.engine.buckets import host_values
 from hvdtrain.engine.horovod_start import MPI_SETTINGS, mpi_controls, set_ours, start_mpi
 from hvdtrain.engine.horovod_wait import wait_politely_in
@@ -154,7 +154,7 @@ class HorovodEngine(WatchedEngine):
     def _broadcast_parameters(self, model: torch.nn.Module) -> None:
         # Horovod sends contiguous tensors only; a channels-last model's 4-D weights are not: each of those
         # goes on its own, as a contiguous copy (one at a time, not a second copy of the model).
-        state = model.state_dict()
+        state = model_tensors(model)
         hvd.broadcast_parameters({name: t for name, t in state.items() if t.is_contiguous()}, root_rank=0)
         for name, tensor in state.items():
             if not tensor.is_contiguous():

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hvdtrain.engine.base import GradientSync
+from hvdtrain.engine.base import GradientSync, model_tensors
 from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.engine.buckets import BucketHooks, buckets, grads_with_flags, write_back
 from hvdtrain.engine.environment import env_rendezvous_launched, launcher_facts, torchrun_restarts
@@ -180,7 +180,7 @@ class TorchEngine(WatchedEngine):
         return _TorchSegments(self)
 
     def _broadcast_parameters(self, model: torch.nn.Module) -> None:
-        for tensor in model.state_dict().values():
+        for tensor in model_tensors(model).values():
             dist.broadcast(tensor, src=0)  # in place: state_dict tensors share storage with the model
 
     def _broadcast_object(self, obj: Any, name: str) -> Any:

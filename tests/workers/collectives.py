@@ -11,6 +11,8 @@
 - Gradients of 40001 on every rank averaged with fp16 on the wire: each is below fp16's limit
   (65504), their sum over 2 ranks is not, and fp16 holds 40001 as 40000 (its steps are 32 there),
   so 40000 comes back only through fp16. Prints each rank's averaged gradient.
+- A module with extra state in its state dict (get_extra_state: any object, here the rank that built
+  it) is broadcast: each rank prints the extra state it then holds.
 - Rank 1 comes to a gradient sync WAIT_SECONDS late: rank 0 prints how long it waited there and the
   CPU time its waiting thread used meanwhile.
 """
@@ -68,6 +70,24 @@ def fp16_sum() -> None:
     print(f"rank {engine.rank} averaged gradient {model.weight.grad.tolist()}", flush=True)
 
 
+class WithExtraState(torch.nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+        self.built_on = {"rank": engine.rank}
+
+    def get_extra_state(self) -> dict:
+        return self.built_on
+
+    def set_extra_state(self, state: dict) -> None:
+        self.built_on = state
+
+
+def extra_state() -> None:
+    model = torch.nn.Sequential(WithExtraState())
+    engine.broadcast_parameters(model)
+    print(f"rank {engine.rank} holds extra state {model[0].built_on}", flush=True)
+
+
 def waiting() -> None:
     model = torch.nn.Linear(4, 1)
     optimizer = engine.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, GradientSync())
@@ -87,5 +107,6 @@ for combine in ["average", *sys.argv[2:]]:
     ranks_agree(combine)
 gather()
 fp16_sum()
+extra_state()
 waiting()
 engine.shutdown(finished=True)
