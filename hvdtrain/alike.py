@@ -18,21 +18,24 @@ if TYPE_CHECKING:
     from hvdtrain.config import Config
     from hvdtrain.engine import Engine
 
-PER_HOST_KEYS = frozenset({"train.threads", "data.num_workers", "data.name", "run.dir", "run.progress"})
-"""Settings each rank may hold its own of: what suits its host (threads, loader workers), a path to the
-data on its host's own disk (the data sets' sizes are checked alike), and what only rank 0 uses."""
+PER_HOST_KEYS = frozenset({"train.threads", "train.keep_freed_memory", "data.num_workers", "data.name",
+                           "train.callbacks", "run.dir", "run.progress", "run.tensorboard"})
+"""Settings each rank may hold its own of: what suits its host (threads, loader workers, its memory), a
+path to the data on its host's own disk (the data sets' sizes are checked alike), callbacks (a logger on
+rank 0 alone), and what only rank 0 uses."""
 
 
 def unlike_rank_0(value: Any, engine: Engine, name: str) -> tuple[int, Any, Any] | None:
     """(the first rank whose `value` differs from rank 0's, rank 0's value, that rank's), or None where
-    every rank's is rank 0's. A collective: a digest of each rank's; the values only where some differ."""
+    every rank's equals rank 0's. A collective: a digest of each rank's; the values only where some differ."""
     digests = engine.allgather_object(digest(value), name)  # dist
     if len(set(digests)) == 1:
         return None
-    # dist: every rank got here (the digests are the same everywhere)
+    # dist: every rank got here (the digests are the same everywhere). A value may equal rank 0's though
+    # written otherwise (a dict's keys in another order, 1 and 1.0): compared, not only digested.
     values = engine.allgather_object(value, f"{name}.values")
-    other = next(rank for rank, digest in enumerate(digests) if digest != digests[0])
-    return other, values[0], values[other]
+    other = next((rank for rank, theirs in enumerate(values) if theirs != values[0]), None)
+    return None if other is None else (other, values[0], values[other])
 
 
 def digest(value: Any) -> str:
@@ -52,8 +55,18 @@ def check_same_settings(started_with: dict[str, Any], engine: Engine) -> None:
     if unlike is None:
         return
     other, root, theirs = unlike
-    differ = [f"{key} is {theirs[key]!r} there, {value!r} on rank 0" for key, value in root.items()
-              if theirs.get(key) != value]
+    differ = [f"{key} is {_value(theirs, key)} there, {_value(root, key)} on rank 0" for key in {**root, **theirs}
+              if root.get(key, _UNSET) != theirs.get(key, _UNSET)]
     more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
     raise UserError(f"rank {other} was started with other settings than rank 0: {'; '.join(differ[:3])}{more}: start "
-                    "every rank with the same command line and config file (from Python: the same arguments)")
+                    "every rank with the same command line and config file (from Python: the same arguments); only "
+                    "threads, data loader workers, the data's path and callbacks may differ")
+
+
+_UNSET = object()
+
+
+def _value(held: dict[str, Any], key: str) -> str:
+    """A setting's value as written, or that the rank's hvdtrain has no such setting (another version)."""
+    value = held.get(key, _UNSET)
+    return "not known (another hvdtrain version?)" if value is _UNSET else repr(value)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
 from torch import nn
 
 from hvdtrain.alike import unlike_rank_0
+from hvdtrain.engine.base import is_extra_state
 from hvdtrain.errors import UserError
 
 if TYPE_CHECKING:
@@ -31,8 +31,9 @@ class Tensor(NamedTuple):
 def layout(model: nn.Module) -> list[Tensor]:
     """The model's state, tensor by tensor, in the order the engines broadcast it."""
     trained = {name: parameter.requires_grad for name, parameter in model.named_parameters()}
-    return [Tensor(name, tuple(value.shape), str(value.dtype).removeprefix("torch."), trained.get(name))
-            if isinstance(value, torch.Tensor) else Tensor(name, (), f"extra state ({type(value).__name__})", None)
+    # Extra state by its name alone: rank 0's is broadcast over it, whatever each rank built
+    return [Tensor(name, (), "extra state", None) if is_extra_state(name) else
+            Tensor(name, tuple(value.shape), str(value.dtype).removeprefix("torch."), trained.get(name))
             for name, value in model.state_dict().items()]
 
 

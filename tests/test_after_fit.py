@@ -228,13 +228,16 @@ def test_a_model_its_factory_compiled_is_evaluated_predicted_and_exported(tmp_pa
 
 
 def test_a_model_with_extra_state_trains_evaluates_and_exports_it(tmp_path, capsys, monkeypatch):
-    """A state dict may hold objects (a module's get_extra_state): both engines' broadcast and the
-    safetensors export took them for tensors and failed. safetensors keeps JSON extra state in its metadata
-    and refuses other in one line."""
+    """A state dict may hold objects (a module's get_extra_state; both engines' broadcast of it:
+    tests/test_multiprocess.py): the safetensors export took it for a tensor and failed. It keeps JSON extra
+    state in its metadata, and loads it back (the check compares the outputs of the model it rebuilt from
+    the file; here its extra state too), and refuses other in one line."""
     run_dir = tmp_path / "run"
     main(["fit", *LOCAL, "--data", "user_code:blobs", "--model", "user_code:VocabularyNet", "--epochs", "1",
           "--batch-size", "16", "--run-dir", str(run_dir)])
+    monkeypatch.setenv("HVDTRAIN_TEST_EXTRA_STATE", "empty")  # each model built from here on: the file's, or none
     main(["evaluate", str(run_dir), "--output", str(tmp_path / "e.json")])
+    assert json.loads((tmp_path / "e.json").read_text())["acc"] == run_summary(run_dir)["val_acc"]
     main(["export", str(run_dir), "--output", str(tmp_path / "m.safetensors")])
     from safetensors import safe_open
 
@@ -246,8 +249,8 @@ def test_a_model_with_extra_state_trains_evaluates_and_exports_it(tmp_path, caps
     with pytest.raises(SystemExit) as refused:
         main(["export", str(tmp_path / "other"), "--output", str(tmp_path / "other.safetensors")])
     assert refused.value.code == 2 and not (tmp_path / "other.safetensors").exists()
-    assert "hvdtrain: error: the model's extra state ('_extra_state', a dict: its modules' get_extra_state) is not " \
-           "JSON" in capsys.readouterr().err
+    assert "hvdtrain: error: the model's extra state '_extra_state' (its module's get_extra_state, a dict) does not " \
+           "come back the same from JSON" in capsys.readouterr().err
 
 
 def test_a_model_in_data_parallel_trains_as_the_module_inside_it(tmp_path, capsys):

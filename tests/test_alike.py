@@ -53,8 +53,10 @@ class _Versioned(nn.Linear):
         pass
 
 
-def test_extra_state_is_compared_by_its_type_and_named_where_a_rank_lacks_it():
-    assert layout(_Versioned(4, 3))[-1] == ("_extra_state", (), "extra state (dict)", None)
+def test_extra_state_is_compared_by_its_name_alone_and_named_where_a_rank_lacks_it():
+    """Rank 0's extra state is broadcast over every rank's, whatever each built (rank 0's may come from a
+    checkpoint already)."""
+    assert layout(_Versioned(4, 3))[-1] == ("_extra_state", (), "extra state", None)
     assert difference(layout(_Versioned(4, 3)), layout(nn.Linear(4, 3))) == \
         "it lacks rank 0's '_extra_state' (2 tensors there, 3 on rank 0)"
 
@@ -105,3 +107,13 @@ def test_settings_that_differ_are_named_three_at_most_and_a_host_s_own_are_not()
                                         r"there, 64 on rank 0; optim.name is 'adamw' there, 'sgd' on rank 0; optim.lr "
                                         r"is 0.5 there, 0.05 on rank 0 \(and 2 more\): start every rank with the same"):
         check_same_settings(settings(root), _RankOneHasAnother(settings(edited)))
+
+
+def test_settings_written_otherwise_are_alike_and_one_a_rank_lacks_is_named():
+    root = settings(Config.from_dict({"model": {"name": "mine:net", "args": {"a": 1, "b": 2}}}))
+    reordered = {**root, "model.args": {"b": 2.0, "a": 1}}  # a script's overrides from a set, 1 and 1.0
+    check_same_settings(root, _RankOneHasAnother(reordered))
+    older = {key: value for key, value in root.items() if key != "train.sync_batchnorm"}  # another hvdtrain
+    with pytest.raises(UserError, match=r"^rank 1 was started with other settings than rank 0: train.sync_batchnorm "
+                                        r"is not known \(another hvdtrain version\?\) there, False on rank 0: start"):
+        check_same_settings(root, _RankOneHasAnother(older))

@@ -372,15 +372,16 @@ def compiled_net(input_shape, num_classes):
 
 class VocabularyNet(nn.Module):
     """A model with extra state in its state dict (get_extra_state), as a vocabulary or a version is kept;
-    HVDTRAIN_TEST_EXTRA_STATE=object: one that is not JSON."""
+    HVDTRAIN_TEST_EXTRA_STATE=object: one that is not JSON; =empty: built without one, which its forward
+    refuses (only extra state set from a file makes it work)."""
 
     def __init__(self, input_shape, num_classes):
-        super().__init__()
         import os
 
+        super().__init__()
         self.net = tiny_net(input_shape, num_classes)
-        self.vocabulary = {"words": ["a", "b"]} if os.environ.get("HVDTRAIN_TEST_EXTRA_STATE") != "object" else \
-            {"words": {"a", "b"}}
+        built = os.environ.get("HVDTRAIN_TEST_EXTRA_STATE")
+        self.vocabulary = {"words": {"a", "b"} if built == "object" else [] if built == "empty" else ["a", "b"]}
 
     def get_extra_state(self):
         return self.vocabulary
@@ -389,6 +390,8 @@ class VocabularyNet(nn.Module):
         self.vocabulary = state
 
     def forward(self, x):
+        if not self.vocabulary["words"]:
+            raise ValueError("no vocabulary: the extra state was not set")
         return self.net(x)
 
 

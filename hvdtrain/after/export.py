@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from hvdtrain.data.batch import split_batch, takes_keyword, tensors_in
-from hvdtrain.engine.base import extra_state, model_tensors
+from hvdtrain.engine.base import extra_state, model_tensors, set_extra_state
 from hvdtrain.io.atomic import WriteFailed, make_dir, shared_file_mode, why_not_written
 from hvdtrain.errors import UserError, message_lines
 from hvdtrain.after.saved_run import SavedRun
@@ -100,8 +100,8 @@ def export(saved: SavedRun, fmt: str, path: Path, batch: Any) -> Exported:
             if reason is not None:
                 raise WriteFailed(path, reason) from err
             raise UserError(f"export to {fmt} failed: {type(err).__name__}: {message_lines(err)[:300]}; the model may use "
-                            "Python that this format cannot capture (try another --format; safetensors always "
-                            "works)") from err
+                            "Python that this format cannot capture (try another --format; safetensors holds any "
+                            "model's weights)") from err
         diff = _largest_difference(expected, got, fmt)
         for produced in Path(scratch).iterdir():  # onnx may write an external data file beside
             produced.chmod(shared_file_mode())
@@ -142,15 +142,17 @@ def _safetensors_write(saved: SavedRun, path: Path, args: tuple, kwargs: dict) -
                 "hvdtrain.shapes": json.dumps(saved.shapes.to_dict()), "hvdtrain.task": saved.task.name,
                 "hvdtrain.epoch": str(saved.epoch)}
     extra = extra_state(saved.model)
-    if extra:  # a module's get_extra_state: no tensor, kept in the metadata where it is JSON
+    for name, value in extra.items():  # a module's get_extra_state: no tensor, kept in the metadata as JSON
         try:
-            metadata["hvdtrain.extra_state"] = json.dumps(extra)
+            kept = json.loads(json.dumps(value, allow_nan=False)) == value
         except (TypeError, ValueError):
-            name, value = next(iter(extra.items()))
-            raise UserError(f"the model's extra state ('{name}', a {type(value).__name__}: its modules' "
-                            "get_extra_state) is not JSON, which a safetensors file's metadata holds: export it "
-                            "with --format torchscript or pt2, or give get_extra_state lists, dicts, strings and "
-                            "numbers") from None
+            kept = False
+        if not kept:
+            raise UserError(f"the model's extra state '{name}' (its module's get_extra_state, a {type(value).__name__}) "
+                            "does not come back the same from JSON, which is how a safetensors file keeps it: give "
+                            "get_extra_state lists, dicts with string keys, strings and finite numbers")
+    if extra:
+        metadata["hvdtrain.extra_state"] = json.dumps(extra)
     save_model(_Tensors(saved.model), str(path), metadata=metadata)
 
 
@@ -183,8 +185,7 @@ def _safetensors_load(saved: SavedRun, path: Path, args: tuple, kwargs: dict) ->
     if missing or unexpected:
         raise RuntimeError(f"the file's tensors do not fit the model: missing {sorted(missing)}, unexpected "
                            f"{sorted(unexpected)}")
-    if "hvdtrain.extra_state" in metadata:
-        model.load_state_dict(json.loads(metadata["hvdtrain.extra_state"]), strict=False)
+    set_extra_state(model, json.loads(metadata.get("hvdtrain.extra_state", "{}")))
     return _call(model.to(_device_of(args, kwargs)).eval(), args, kwargs)
 
 

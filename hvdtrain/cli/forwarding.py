@@ -39,6 +39,10 @@ def launch_begins(nothing_started: Callable[[int], None] | None = None) -> None:
     _launch_begun, _nothing_started = True, nothing_started
 
 
+def launch_has_begun() -> bool:
+    return _launch_begun
+
+
 def passed_on() -> list[int]:
     """The signals this launcher passed on to the job (a user's Ctrl-C, a scheduler's SIGTERM), first first."""
     return list(dict.fromkeys(_passed_on))

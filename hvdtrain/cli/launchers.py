@@ -75,11 +75,15 @@ def _horovodrun() -> None:
     try:
         code = launch.run_commandline()
     except (ValueError, OSError) as err:  # the runner refusing its own arguments: -H, -np against the slots, a hostfile
+        if forwarding.launch_has_begun() or isinstance(err, BrokenPipeError):
+            raise
         _refuse("horovodrun", _said(err))
     except RuntimeError as err:
         message = " ".join(str(err).split())
-        if "exited with non-zero status" not in message:  # "could not connect to some hosts via ssh", after
-            _refuse("horovodrun", message, 1)  # the hosts' own words
+        if "exited with non-zero status" not in message:
+            if forwarding.launch_has_begun():
+                raise
+            _refuse("horovodrun", message, 1)  # "could not connect to some hosts via ssh", after ssh's own words
         found = re.search(r"Process name: (\S+) Exit code: (-?\d+)", message)
         # Horovod names the first worker to exit; the one that failed first may have left later.
         failed = {rank: ended for rank, ended in workers.exits.items() if ended[0] != 0} or \

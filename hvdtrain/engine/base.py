@@ -270,15 +270,31 @@ class RankFailed(Exception):
         self.rank, self.kind, self.message = rank, kind, message
 
 
+EXTRA_STATE = "_extra_state"
+"""The state-dict key (after a module's prefix) of a module's get_extra_state: any object, a tensor too."""
+
+
+def is_extra_state(key: str) -> bool:
+    return key == EXTRA_STATE or key.endswith(f".{EXTRA_STATE}")
+
+
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters and buffers by name, in state-dict order: its state less any extra state
-    (a module's get_extra_state: a vocabulary, a version, any object)."""
-    return {name: value for name, value in model.state_dict().items() if isinstance(value, torch.Tensor)}
+    (a module's get_extra_state: a vocabulary, a version)."""
+    return {name: value for name, value in model.state_dict().items() if not is_extra_state(name)}
 
 
 def extra_state(model: torch.nn.Module) -> dict[str, Any]:
-    """The modules' extra state (get_extra_state) by state-dict key; load_state_dict(strict=False) sets it."""
-    return {name: value for name, value in model.state_dict().items() if not isinstance(value, torch.Tensor)}
+    """The modules' extra state (get_extra_state) by state-dict key."""
+    return {name: value for name, value in model.state_dict().items() if is_extra_state(name)}
+
+
+def set_extra_state(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Gives each module its extra state from `state` (extra_state's keys), through its set_extra_state."""
+    for prefix, module in model.named_modules():
+        key = f"{prefix}.{EXTRA_STATE}" if prefix else EXTRA_STATE
+        if key in state:
+            module.set_extra_state(state[key])
 
 
 def on_cpu(value: Any) -> Any:

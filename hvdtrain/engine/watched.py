@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
-from hvdtrain.engine.base import Engine, GradientSync, extra_state
+from hvdtrain.engine.base import Engine, GradientSync, extra_state, set_extra_state
 from hvdtrain.engine.bf16_average import Bf16Average
 from hvdtrain.engine.powersgd import PowerSGD
 from hvdtrain.engine.segments import SegmentCollectives
@@ -126,7 +126,7 @@ class WatchedEngine(Engine):
             self._broadcast_parameters(model)  # its tensors
             extra = extra_state(model)  # the same keys on every rank (alike.check_same_model)
             if extra:  # dist: rank 0's, set by each module's set_extra_state
-                model.load_state_dict(self._broadcast_object(extra, "extra_state"), strict=False)
+                set_extra_state(model, self._broadcast_object(extra, "extra_state"))
 
     def broadcast_object(self, obj: Any, name: str) -> Any:
         with self._collective(f"broadcast '{name}'"):
