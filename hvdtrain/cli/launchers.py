@@ -26,6 +26,7 @@ from typing import Any
 
 from hvdtrain.cli import elastic_launch, forwarding
 from hvdtrain.cli.forwarding import forward_to_ranks
+from hvdtrain.cli.launcher_arguments import check_torchrun_sizes, checked, refuse, said
 from hvdtrain.cli.leaving import leave_without_teardown
 from hvdtrain.cli.mpirun_child import MpirunAsChild
 from hvdtrain.cli.outcome import ANOTHER_RANK_FAILED, STOPPED, outcome
@@ -70,20 +71,20 @@ def _horovodrun() -> None:
     # stopped or not: its shutdown event is left unset, the ranks stop themselves.
     gloo_run.register_shutdown_event = threading.Event
     elastic_launch.prepare(launch, gloo_run)
-    launch.parse_args = _checked(launch.parse_args)
+    launch.parse_args = checked(launch.parse_args)
     workers = _GlooWorkers(gloo_run)
     try:
         code = launch.run_commandline()
     except (ValueError, OSError) as err:  # the runner refusing its own arguments: -H, -np against the slots, a hostfile
         if forwarding.launch_has_begun() or isinstance(err, BrokenPipeError):
             raise
-        _refuse("horovodrun", _said(err))
+        refuse("horovodrun", said(err))
     except RuntimeError as err:
         message = " ".join(str(err).split())
         if "exited with non-zero status" not in message:
             if forwarding.launch_has_begun():
                 raise
-            _refuse("horovodrun", message, 1)  # "could not connect to some hosts via ssh", after ssh's own words
+            refuse("horovodrun", message, 1)  # "could not connect to some hosts via ssh", after ssh's own words
         found = re.search(r"Process name: (\S+) Exit code: (-?\d+)", message)
         # Horovod names the first worker to exit; the one that failed first may have left later.
         failed = {rank: ended for rank, ended in workers.exits.items() if ended[0] != 0} or \
@@ -102,42 +103,6 @@ def _horovodrun() -> None:
         print(f"horovodrun: worker {', '.join(map(str, sorted(workers.commands.ended_late)))} had not ended "
               f"{STOPPED_GRACE_SECONDS:.0f} s after the others stopped, and was ended", file=sys.stderr, flush=True)
     sys.exit(STOPPED if workers.stopped else code)
-
-
-_verbose = False  # horovodrun --verbose: the runner's own refusals keep their traceback
-
-
-def _checked(parse_args: Any) -> Any:
-    """Horovod's argument parser, and a number of processes that can run: `-np 0` under --gloo ran
-    nothing and exited 0 (a script's unset $NP), under MPI it was Open MPI's "already filled"."""
-    def parse() -> Any:
-        global _verbose
-        args = parse_args()
-        _verbose = args.verbose
-        for option, number in (("-np", args.num_proc), ("--min-np", args.min_num_proc), ("--max-np", args.max_num_proc)):
-            if number is not None and number < 1:
-                _refuse("horovodrun", f"{option} must be at least 1, got {number}")
-        return args
-
-    return parse
-
-
-def _refuse(launcher: str, message: str, code: int = 2) -> None:
-    """One line for what the launcher refused, and `code`; after horovodrun --verbose, the runner's traceback."""
-    if _verbose and sys.exc_info()[0] is not None:
-        raise
-    print(f"{launcher}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(code)
-
-
-def _said(err: Exception) -> str:
-    """An exception's message in one line, as a user reads it: a file not found with its path."""
-    if isinstance(err, OSError) and err.strerror:
-        return f"{err.strerror}: {err.filename}" if err.filename else err.strerror
-    message = " ".join(str(err).split())
-    if message.startswith("Requested more processes"):
-        message += ": ask fewer with -np, or give the hosts more slots (-H host:SLOTS, or slots=SLOTS in a hostfile)"
-    return message
 
 
 class _GlooWorkers:
@@ -283,7 +248,7 @@ def torchrun() -> None:
     args.training_script_args = argv[program + 1:]
     if args.training_script == "hvdtrain" and not (args.no_python or args.module or os.path.isfile("hvdtrain")):
         args.module = True  # python -m hvdtrain: the same program as the `hvdtrain` command
-    _check_the_sizes(args)
+    check_torchrun_sizes(args)
     _grace_after_a_failure(args)
     _no_restart_that_changes_nothing()
     # torchrun logs each failed worker at ERROR before it raises; the line below says it once.
@@ -312,28 +277,6 @@ def torchrun() -> None:
               file=sys.stderr, flush=True)
     leave_without_teardown(code)  # once the failure's traceback, and the agent's frames, are let go
     sys.exit(code)
-
-
-def _check_the_sizes(args: Any) -> None:
-    """--nproc-per-node and --nnodes as torchrun can run them; it refused others with a traceback of its
-    own (an AssertionError alone for `--nproc-per-node 0`)."""
-    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
-
-    try:
-        per_node = determine_local_world_size(args.nproc_per_node)
-    except ValueError as err:
-        per_node, why = 0, f" ({str(err).rstrip('.')})" if "Unsupported" not in str(err) else ""
-    else:
-        why = ""
-    if per_node < 1:
-        _refuse("torchrun", f"--nproc-per-node {args.nproc_per_node}{why}: give a number of processes per node (at "
-                         "least 1), or auto, cpu or gpu")
-    try:
-        fewest, most = parse_min_max_nnodes(args.nnodes)
-    except (ValueError, RuntimeError):
-        fewest = most = 0
-    if not 0 < fewest <= most:
-        _refuse("torchrun", f"--nnodes {args.nnodes}: give a number of nodes (at least 1), or MIN:MAX of them")
 
 
 def _raise_in_the_agent(number: int) -> None:
