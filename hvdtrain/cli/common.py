@@ -89,19 +89,23 @@ class _CtrlC(Exception):
     """Ctrl-C came during the wait for rank 0's word: the wait is over."""
 
 
-def _wait_for_rank_0_s_word(seconds: float) -> None:
+def _wait_for_rank_0_s_word(seconds: float, quiet: bool = False) -> None:
     """dist: a rank other than 0 about to report a failure waits `seconds` first, where a launcher ends
     the job on one: rank 0 failing too says the one line and its exit ends the job, and this rank, first.
     Neither a scheduler's warning signal nor a Ctrl-C meanwhile may end this rank without its line (the
     only one where rank 0 did not fail): the warning is ignored, a Ctrl-C ends the wait (the caller says
-    its line and exits at once), and only the launcher's SIGTERM ends the rank as it is."""
+    its line and exits at once), and only the launcher's SIGTERM ends the rank. A `quiet` rank (one whose
+    error rank 0 says) ends on it at once, by its default action: a handler left from fit's stop
+    handling would only note it, and the launcher's SIGKILL 5 s later made this rank the job's failure.
+    A rank with a line of its own (a failure only it met) keeps the handler, and says its line."""
     import signal
 
     def ctrl_c(number: int, frame: object) -> None:
         raise _CtrlC
 
     held = {}
-    for number, handler in ((signal.SIGINT, ctrl_c), (signal.SIGUSR1, signal.SIG_IGN), (signal.SIGUSR2, signal.SIG_IGN)):
+    for number, handler in ((signal.SIGINT, ctrl_c), (signal.SIGUSR1, signal.SIG_IGN), (signal.SIGUSR2, signal.SIG_IGN),
+                            *([(signal.SIGTERM, signal.SIG_DFL)] if quiet else [])):
         try:
             held[number] = signal.signal(number, handler)
         except (ValueError, OSError):  # not the main thread: the wait as it is
@@ -134,7 +138,7 @@ def fail(message: str, code: int, debug: bool, every_rank: bool = False, wait: b
         click.echo(f"hvdtrain: error: rank {rank}: {message}", err=True)  # rank 0's line is not
         sys.exit(code)
     if wait and environment.launcher_ends_the_job_on_a_failure():
-        _wait_for_rank_0_s_word(_quiet_rank_wait())
+        _wait_for_rank_0_s_word(_quiet_rank_wait(), quiet=True)
         # Still here: rank 0 did not fail this way (its exit would have ended the job), a config file
         # missing on this host, say. Left quiet, the job would end without a word of why.
         click.echo(f"hvdtrain: error: rank {rank}: {message}", err=True)
