@@ -95,8 +95,8 @@ def _wait_for_rank_0_s_word(seconds: float, quiet: bool = False) -> None:
     Neither a scheduler's warning signal nor a Ctrl-C meanwhile may end this rank without its line (the
     only one where rank 0 did not fail): the warning is ignored, a Ctrl-C ends the wait (the caller says
     its line and exits at once), and only the launcher's SIGTERM ends the rank. A `quiet` rank (one whose
-    error rank 0 says) ends on it at once, by its default action: a handler left from fit's stop
-    handling would only note it, and the launcher's SIGKILL 5 s later made this rank the job's failure.
+    error rank 0 says) ends on it at once, by its default action: a handler in place then that only
+    noted it would keep the rank waiting until the launcher's SIGKILL, named as the job's failure.
     A rank with a line of its own (a failure only it met) keeps the handler, and says its line."""
     import signal
 
