@@ -95,7 +95,13 @@ def test_a_failed_rank_waiting_for_rank_0_s_word_outlives_a_warning_signal_but_n
     meanwhile must not end it without its own line, the only one where rank 0 did not fail; a Ctrl-C ends
     the wait, and the rank says its line and exits at once (a 30 s wait deaf to Ctrl-C would hold the job:
     rank 0 may wait in native code, which runs no handler). The launcher's SIGTERM ends it as it is."""
-    env = {**os.environ, "OMPI_COMM_WORLD_RANK": "1", "HVDTRAIN_QUIET_RANK_WAIT_SECONDS": "60"}
+    def python(script: str) -> tuple[subprocess.CompletedProcess, float]:
+        """As rank 1 of an Open MPI job, told to wait 60 s for rank 0: what it did, and in how many seconds."""
+        env = {**os.environ, "OMPI_COMM_WORLD_RANK": "1", "HVDTRAIN_QUIET_RANK_WAIT_SECONDS": "60"}
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=90)
+        return done, time.monotonic() - started
+
     quiet = ("import os, signal, threading\n"
              "from hvdtrain.cli import common\n"
              "from hvdtrain.engine import environment  # loaded, as in a rank that got as far as a launcher's\n"
@@ -107,10 +113,9 @@ def test_a_failed_rank_waiting_for_rank_0_s_word_outlives_a_warning_signal_but_n
              "finally:\n"
              "    print('handlers back', signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,\n"
              "          signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)\n")
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", quiet], env=env, capture_output=True, text=True, timeout=90)
+    done, seconds = python(quiet)
     assert done.returncode == 2 and done.stderr == "hvdtrain: error: rank 1: config key x must be an integer\n", done
-    assert done.stdout == "handlers back True True\n" and time.monotonic() - started < 30, done  # not the 60 s
+    assert done.stdout == "handlers back True True\n" and seconds < 30, done  # not the 60 s
     # A handler that only notes the signal, as a stop handler left from fit would: the rank must still end at
     # once, or the launcher's SIGKILL 5 s later made it the job's failure ("worker 1 was killed by SIGKILL")
     launcher = ("import os, signal, threading\n"
@@ -119,8 +124,25 @@ def test_a_failed_rank_waiting_for_rank_0_s_word_outlives_a_warning_signal_but_n
                 "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
                 "common._wait_for_rank_0_s_word(30.0, quiet=True)\n"
                 "print('not reached', flush=True)\n")
-    done = subprocess.run([sys.executable, "-c", launcher], env=env, capture_output=True, text=True, timeout=60)
+    done, _ = python(launcher)
     assert done.returncode == -signal.SIGTERM and done.stdout == "", done
+    # The launcher's SIGTERM came while fit was still failing (rank 0 said the error and left first), and
+    # fit's stop handler noted it: the wait must act on it at once, not sit out its time for a SIGKILL.
+    failing_fit = ("import os, signal\n"
+                   "from hvdtrain.cli import common\n"
+                   "from hvdtrain.train import early_signals\n"
+                   "from hvdtrain.train.stop_policy import StopSignals\n"
+                   "early_signals.in_the_command_s_process()\n"
+                   "try:\n"
+                   "    with StopSignals('SIGTERM,SIGINT'):\n"
+                   "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                   "        raise FloatingPointError('non-finite loss')\n"
+                   "except FloatingPointError:\n")
+    done, seconds = python(failing_fit + "    common.fail('non-finite loss at step 7 on rank 1', 1, debug=False)\n")
+    assert done.returncode == -signal.SIGTERM and done.stdout + done.stderr == "" and seconds < 30, done
+    # A rank with a line of its own ends the wait at once as well, to say it.
+    done, seconds = python(failing_fit + "    common._wait_for_rank_0_s_word(60.0); print('said', flush=True)\n")
+    assert done.returncode == 0 and done.stdout == "said\n" and seconds < 30, done
 
 
 def test_a_process_forked_from_a_torchrun_worker_has_its_own_parent(monkeypatch):

@@ -26,6 +26,7 @@ _original: dict[int, Any] = {}
 _command_process = False  # the `hvdtrain` command's own process: it ends when fit does
 _holding = False  # between `hold` and `restore`: someone gives the signals back
 _ignored: set[int] = set()  # by `ignore_after_training`
+_unserved: list[int] = []  # noted by a fit that then failed (`note_unserved`)
 
 
 def in_the_command_s_process() -> None:
@@ -96,6 +97,21 @@ def restore() -> None:
     _noted.clear()
     _ignored.clear()
     _holding = False
+
+
+def note_unserved(number: int) -> None:
+    """A stop signal fit noted but did not act on, as it failed first: most often the launcher's SIGTERM
+    to the rest once another rank left with the same failure. `take_unserved` hands it to the wait for
+    rank 0's word, which acts on it as if it came then. Only in the command's process: one that goes on
+    (the Python API) has its failure raised to it."""
+    if _command_process:
+        _unserved.append(number)
+
+
+def take_unserved() -> list[int]:
+    """The signals `note_unserved` kept, forgotten here."""
+    taken, _unserved[:] = list(_unserved), []
+    return taken
 
 
 def _note(number: int, frame: Any) -> None:

@@ -74,6 +74,8 @@ class StopSignals:
             return
         if kind is None:  # trained to the end: a scheduler's warning from here on has nothing to stop
             early_signals.ignore_after_training(self._previous)
+        elif self.received is not None:  # a failure came before the stop: the report acts on the signal
+            early_signals.note_unserved(self.received)
         self._give_back()
 
     def _give_back(self) -> None:
