@@ -22,15 +22,21 @@ pytestmark = [pytest.mark.multiprocess, requires_launchers, pytest.mark.timeout(
 RANDOM = ["--data", "random", "--set", "data.samples=600", "--set", "data.features=12", "--threads", "1"]
 
 
+def DOWNLOADED(root: Path) -> list[str]:
+    """A user's data fetched into `root` where no intact copy is, then checked (user_code.downloaded_digits)."""
+    return ["--data", "user_code:downloaded_digits", "--set", f"data.args.root={root}"]
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_fit_runs_under_each_launcher(launcher, tmp_path, request):
     if launcher == "horovodrun-mpi":  # the shared run: plain horovodrun picks MPI
         run_dir, done = request.getfixturevalue("digits_np2")
     elif launcher == "torchrun":
         run_dir, done = request.getfixturevalue("digits_torchrun")
-    else:
+    else:  # the data fetched as torchvision's download=True does it: once, by rank 0 (it found none there)
         run_dir = tmp_path / "run"
-        done = fit_under(launcher, "--epochs", "2", "--run-dir", str(run_dir))
+        done = fit_under(launcher, *DOWNLOADED(tmp_path / "cache"), "--epochs", "2", "--run-dir", str(run_dir))
+        assert (tmp_path / "cache" / "fetches.log").read_text().count("\n") == 1, done.stderr[-3000:]
     assert_ok(done)
     summary = run_summary(run_dir)
     epochs = summary["epochs"]
@@ -45,6 +51,30 @@ def test_fit_runs_under_each_launcher(launcher, tmp_path, request):
     records = epoch_records(run_dir)
     assert all(len(r["rank_data_s"]) == len(r["rank_compute_s"]) == 2 for r in records)
     assert "slow:" not in done.stdout and all("stragglers" not in r for r in records), done.stdout
+
+
+def test_data_a_factory_downloads_is_fetched_once_by_rank_0_before_any_other_host_s_first_rank(tmp_path):
+    """Every rank calling a factory that downloads (torchvision's download=True) at once fetched the same
+    file over itself, and a rank found it "corrupted" (the others' writes half done). Rank 0 makes the
+    data first, then each other host's first rank (its own disk), then the rest: for fit and evaluate
+    alike. Two torchrun agents make two hosts of one process each: rank 1 is its host's first rank."""
+    def two_hosts(*command: str) -> None:
+        port = free_port()
+        agents = [subprocess.Popen([*LAUNCHERS["torchrun"][:1], "--nnodes", "2", "--nproc-per-node", "1",
+                                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--no-python",
+                                    "hvdtrain", *command], env=launch_env(), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+        for agent in agents:
+            output, _ = agent.communicate(timeout=180)
+            assert agent.returncode == 0 and "Traceback" not in output, output[-3000:]
+        assert (tmp_path / "cache" / "fetches.log").read_text().count("\n") == 1, output[-3000:]
+        shutil.rmtree(tmp_path / "cache")  # the next command fetches again
+
+    run_dir = tmp_path / "run"
+    two_hosts("fit", "--progress", "off", *DOWNLOADED(tmp_path / "cache"), "--epochs", "1", "--threads", "1",
+              "--run-dir", str(run_dir))
+    two_hosts("evaluate", str(run_dir), "--output", str(tmp_path / "e.json"))
+    assert json.loads((tmp_path / "e.json").read_text())["acc"] == run_summary(run_dir)["val_acc"]
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "horovodrun-gloo", "env-rendezvous"])
@@ -99,12 +129,13 @@ def _without_a_launcher(args: list[str], cwd) -> tuple[list[int], list[str]]:
 
 
 def test_bad_input_without_a_launcher_is_said_in_each_rank_s_own_log(tmp_path):
-    """A PyTorchJob's pods each keep a log of their own: rank 1's ended with its start line and status 2."""
+    """A PyTorchJob's pods each keep a log of their own: rank 1's ended with its start line and status 2. Rank 0
+    makes the data first (a download, once): rank 1 says what rank 0 met there."""
     codes, outputs = _without_a_launcher(["--data", "no-such-data", "--run-dir", str(tmp_path / "run")], tmp_path)
     assert codes == [2, 2], outputs
     for rank, output in enumerate(outputs):
         errors = [line for line in output.splitlines() if "error" in line]
-        said = f"hvdtrain: error: {'rank 1: ' if rank else ''}unknown data set 'no-such-data'"
+        said = f"hvdtrain: error: {'rank 0 failed: ' if rank else ''}unknown data set 'no-such-data'"
         assert len(errors) == 1 and errors[0].startswith(said) and "Traceback" not in output, outputs
 
 

@@ -206,6 +206,15 @@ def test_a_collective_of_set_up_waits_a_minute_at_least_and_one_of_training_the_
     assert ended[:1] == [1]
     assert "at set-up (train.stall_timeout 1 s, 60 s at least in set-up)" in capsys.readouterr().err
     assert wait_rule("set-up", 5) == "train.stall_timeout 5 s, 60 s at least in set-up"
+    # Waiting while rank 0 makes the data first (a download): what to do about that, not a mismatch of collectives.
+    advice = ("makes the data (a download, a cache): fetch it before the job, or raise train.stall_timeout")
+    first = Activity(collective="allgather 'agree.data_first.0'", since=time.time() - 61)
+    ended.clear()
+    _watched(first, ended)
+    assert ended[:1] == [1]
+    assert capsys.readouterr().err.endswith(f"; not there: rank 1 (never reported). The others wait while rank 0, "
+                                            f"then each other host's first rank, {advice}\n")
+    assert stall_lines(1, first, 300, [None, {"rank": 1}], None)[0].endswith(advice)
     assert wait_rule("set-up", 300) == "train.stall_timeout 300 s"
 
 

@@ -47,8 +47,9 @@ def evaluate_run(saved: SavedRun, engine: Engine, part: str) -> dict[str, Any]:
     """The task's metrics over every sample of the part, each counted once across ranks."""
     cfg = saved.config
     precision = Precision(cfg.train.precision, engine.device)
+    made = engine.made_in_turn(lambda: part_of(saved, part))  # dist: a download or cache made once
     with engine.agree("data"):
-        dataset, collate = part_of(saved, part)
+        dataset, collate = made or part_of(saved, part)
         first = first_batch(dataset, cfg.data.batch_size, collate, "evaluation", engine.device)
         held = dataset.tensors[-1] if isinstance(dataset, TensorDataset) and len(dataset.tensors) > 1 else None
         template = check_first_batch(saved.task, saved.model, first, held, precision, "evaluation").template
@@ -77,8 +78,9 @@ def predict_run(saved: SavedRun, engine: Engine, part: str, raw: bool) -> list[t
     answer, or with `raw` the model's output. Batches are the same for any world size."""
     cfg = saved.config
     precision = Precision(cfg.train.precision, engine.device)
+    made = engine.made_in_turn(lambda: part_of(saved, part, need_targets=False))  # dist: as evaluate
     with engine.agree("data"):
-        dataset, collate = part_of(saved, part, need_targets=False)
+        dataset, collate = made or part_of(saved, part, need_targets=False)
         first = first_batch(dataset, cfg.data.batch_size, collate, "prediction", engine.device)
         # dist: data that does not fit the model fails here, on every rank, with one line
         guarded(saved.task, "the model's forward", lambda: _predicted(saved, first, precision, raw), first,

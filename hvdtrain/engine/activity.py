@@ -16,6 +16,9 @@ SET_UP_SECONDS = 60.0
 """The least a collective of set-up waits before it is a stall, whatever train.stall_timeout says: ranks
 import, read their data and build the model at their own pace (a cold shared file system, a busy host),
 far less evenly than they take steps."""
+MADE_IN_TURN = "data_first"
+"""The set-up phase where the other ranks wait while rank 0, then each other host's first rank, makes the
+data (Engine.made_in_turn)."""
 DATA_LOADING = "data loading"
 """The phase a rank waits for its next training batch in; its time is the straggler check's `data`."""
 COMPUTE = ("batch to device", "forward", "backward", "the optimizer step")
@@ -111,6 +114,14 @@ def allowed_wait(where: str, timeout: float) -> float:
     """Seconds a collective at `where` may wait before it is a stall: `timeout` (train.stall_timeout),
     and SET_UP_SECONDS at least in set-up."""
     return max(timeout, SET_UP_SECONDS) if where == SET_UP else timeout
+
+
+def stall_advice(collective: str | None) -> str:
+    """The stall line's last words: what to do about it."""
+    if collective and f"agree.{MADE_IN_TURN}." in collective:
+        return ("The others wait while rank 0, then each other host's first rank, makes the data (a download, a "
+                "cache): fetch it before the job, or raise train.stall_timeout")
+    return "Every rank must run the same collectives; raise train.stall_timeout if a step can take that long"
 
 
 def wait_rule(where: str, timeout: float) -> str:

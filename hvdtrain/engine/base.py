@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import torch
 
+from hvdtrain.engine.activity import MADE_IN_TURN
 from hvdtrain.engine.powersgd import PowerSGD
 from hvdtrain.engine.sharded import ShardedGradients
 from hvdtrain.errors import UserError, note_where_the_job_stood, where_the_job_stood
@@ -188,6 +189,19 @@ class Engine(ABC):
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank."""
         return bool(self.allreduce_sum(torch.tensor([float(flag)]), "any_rank")[0] > 0) if self.size > 1 else flag
+
+    def made_in_turn(self, make: Callable[[], T]) -> T | None:
+        """`make()` on rank 0, then on each other host's first rank, every rank waiting out each turn (in
+        `agree`, so a failure there stops every rank): what `make` downloads or caches is made once (into a
+        folder every host shares, by rank 0; onto a host's own disk, by its first rank), not by every rank
+        at once over the same files. What it made on those ranks; None on the rest and in one process,
+        which make theirs after, in an `agree` of their own."""
+        made = None
+        for turn, mine in enumerate((self.rank == 0, self.local_rank == 0 and self.rank != 0)):
+            with self.agree(f"{MADE_IN_TURN}.{turn}"):
+                if mine and self.size > 1:
+                    made = make()
+        return made
 
     @contextlib.contextmanager
     def agree(self, phase: str) -> Iterator[None]:

@@ -20,7 +20,7 @@ import time
 import urllib.request
 from typing import Any, Callable, Protocol
 
-from hvdtrain.engine.activity import Activity, allowed_wait, wait_rule
+from hvdtrain.engine.activity import Activity, allowed_wait, stall_advice, wait_rule
 from hvdtrain.engine.report_channel import end_process
 
 _SCOPE = "hvdtrain-activity"
@@ -146,7 +146,6 @@ class StallWatchdog:
         sys.stderr.write(
             f"hvdtrain: error: the job stalled: rank {rank} waited {time.time() - mine.since:.0f} s in "
             f"{mine.collective} at {mine.where} ({wait_rule(mine.where, self.timeout)}); not there: "
-            f"{', '.join(missing)}. Every rank must run the same collectives; raise train.stall_timeout "
-            "if a step can take that long\n")
+            f"{', '.join(missing)}. {stall_advice(mine.collective)}\n")
         sys.stderr.flush()
         end_process(1)  # the training thread is blocked inside a collective; nothing else would end it

@@ -19,6 +19,7 @@ from hvdtrain.train.callbacks import HOOKS, Callbacks, StoppedEarly, build_callb
 from hvdtrain.train.loggers import warn
 from hvdtrain.models import unwrapped
 from hvdtrain.train.stop_policy import StopPolicy, StopSignals
+from hvdtrain.train.setup import make_data
 from hvdtrain.train.summary import Totals
 from hvdtrain.train.sync_batchnorm import synchronize_batchnorm
 from hvdtrain.train.trainer import Trainer
@@ -38,10 +39,11 @@ def fit_plain(config: Config, engine: Engine, started: float) -> dict[str, Any]:
 def _set_up(trainer: Trainer) -> Callbacks:
     """Every check on every rank; returns the callbacks."""
     config, engine = trainer.config, trainer.engine
+    made = engine.made_in_turn(lambda: make_data(config))  # dist: a download or cache made once
     with engine.agree("setup"):  # dist: a failure on any rank stops all of them here
         if config.run.horovod_timeline:
             engine.require_timeline()
-        trainer.prepare()
+        trainer.prepare(made)
         callbacks = build_callbacks(config.train.callbacks, trainer.best, config.train.early_stopping_patience,
                                     config.train.early_stopping_min_delta)
         if config.run.mlflow:

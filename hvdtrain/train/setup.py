@@ -31,6 +31,7 @@ from hvdtrain.tasks import BUILT_IN as BUILT_IN_TASKS, Task, build_task
 from hvdtrain.tasks.check import FirstBatch, best_metric, check_first_batch
 from hvdtrain.numerics.precision import Precision
 from hvdtrain.train.loggers import warn
+from hvdtrain.train.random_state import rng_state, set_rng_state
 from hvdtrain.train.sparse_gradients import densify_sparse_gradients
 from hvdtrain.train.steps import StepCount
 
@@ -72,13 +73,33 @@ class Shard:
                 end_workers(loader, at_once=True)
 
 
-def build(config: Config, engine: Engine) -> Run:
-    """Data, model and optimizer; no collectives, no files."""
+@dataclass(frozen=True)
+class MadeData:
+    """The task and data as `build` begins, made ahead of it (`make_data`), and the random states right
+    after: `build` goes on from them, as from data it had made itself (a factory that draws changes nothing)."""
+
+    task: Task
+    split: DataSplit
+    random_state: dict[str, Any]
+
+
+def make_data(config: Config) -> MadeData:
+    """The task and the data set; no collectives, no files but the data's own."""
     torch.manual_seed(config.train.seed)  # the same initial weights everywhere, broadcast anyway
     task = build_task(config.task)
     if mapped.is_token_file(config.data.name):
         mapped.check_token_run(config.data.name, config.task.name, config.model.name)
     split: DataSplit = build_data(config.data, config.train.seed, task.target_key)
+    return MadeData(task, split, rng_state())
+
+
+def build(config: Config, engine: Engine, made: MadeData | None = None) -> Run:
+    """Data (or what `make_data` `made` of it before), model and optimizer; no collectives, no files."""
+    if made is None:
+        made = make_data(config)
+    else:
+        set_rng_state(made.random_state)
+    task, split = made.task, made.split
     _refuse_raw_samples(split, config)
     task.check_data(split.target_dtype, split.target_shape)
     shapes = ModelShapes(split.input_shape, split.num_classes, task.num_outputs(split.num_classes, split.target_shape))

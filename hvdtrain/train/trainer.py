@@ -36,8 +36,8 @@ from hvdtrain.train.loop import EpochResult, EpochSums, EvalResult, Training, ev
 from hvdtrain.train.random_state import seed_epoch, set_rng_state
 from hvdtrain.train.running_stats import share_running_stats
 from hvdtrain.train.schedule import learning_rate
-from hvdtrain.train.setup import (Run, Shard, build, check_same_data, check_task, holdings_line, keep_learning_rate,
-                                  shard)
+from hvdtrain.train.setup import (MadeData, Run, Shard, build, check_same_data, check_task, holdings_line,
+                                  keep_learning_rate, shard)
 from hvdtrain.train.stop_policy import NeverStop, StopPolicy
 from hvdtrain.train.stragglers import RankTimes, gather_times, stragglers
 from hvdtrain.train.summary import Totals, say_how_it_ended, summarize
@@ -93,9 +93,10 @@ class Trainer:
 
     # --- set-up, the same for plain and elastic fit
 
-    def prepare(self) -> None:
-        """Data, model and optimizer, this rank's shard, and the task checked on one batch (no collectives)."""
-        self.run: Run = build(self.config, self.engine)
+    def prepare(self, made: MadeData | None = None) -> None:
+        """Data (or what `make_data` `made` of it before), model and optimizer, this rank's shard, and the task
+        checked on one batch (no collectives)."""
+        self.run: Run = build(self.config, self.engine, made)
         if self.engine.gradient_shards is not None:  # every rank's own line, beside its start line
             sys.stderr.write(f"hvdtrain: {holdings_line(self.run, self.config, self.engine)}\n")
         self.shard: Shard = shard(self.run, self.config, self.engine)
