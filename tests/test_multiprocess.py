@@ -575,9 +575,10 @@ def test_a_killed_rank_stops_the_job_and_resume_finishes_it(launcher, long_run, 
     killed = tmp_path / "killed"
     job = subprocess.Popen([*LAUNCHERS[launcher], "hvdtrain", "fit", *args, "--run-dir", str(killed)],
                            env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not (killed / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 150  # a loaded host (make test's other worker) took over 60 s to the first one
+    while not (killed / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline and job.poll() is None:
         time.sleep(0.05)
+    assert (killed / "checkpoints" / "last.pt").exists(), "the run should have written a checkpoint by now"
     ranks = {_rank_variable(process): process for process in _ranks_of(killed)}
     assert sorted(ranks) == ["0", "1"] and job.poll() is None, "the run should be mid-training"
     os.kill(ranks["1"].pid, signal.SIGKILL)
