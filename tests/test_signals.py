@@ -135,13 +135,16 @@ def test_a_failed_rank_waiting_for_rank_0_s_word_outlives_a_warning_signal_but_n
                    "early_signals.in_the_command_s_process()\n"
                    "try:\n"
                    "    with StopSignals('SIGTERM,SIGINT'):\n"
-                   "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                   "        os.kill(os.getpid(), signal.{})\n"
                    "        raise FloatingPointError('non-finite loss')\n"
-                   "except FloatingPointError:\n")
-    done, seconds = python(failing_fit + "    common.fail('non-finite loss at step 7 on rank 1', 1, debug=False)\n")
-    assert done.returncode == -signal.SIGTERM and done.stdout + done.stderr == "" and seconds < 30, done
-    # A rank with a line of its own ends the wait at once as well, to say it.
-    done, seconds = python(failing_fit + "    common._wait_for_rank_0_s_word(60.0); print('said', flush=True)\n")
+                   "except FloatingPointError:\n"
+                   "    {}\n")
+    for wait in ("common.fail('non-finite loss at step 7 on rank 1', 1, debug=False)",  # quiet: rank 0 says it
+                 "common._wait_for_rank_0_s_word(60.0); print('said', flush=True)"):  # a line of its own
+        done, seconds = python(failing_fit.format("SIGTERM", wait))
+        assert done.returncode == -signal.SIGTERM and done.stdout + done.stderr == "" and seconds < 30, done
+    # A Ctrl-C noted so ends the wait at once as well, and the rank says its line and leaves.
+    done, seconds = python(failing_fit.format("SIGINT", "common._wait_for_rank_0_s_word(60.0); print('said')"))
     assert done.returncode == 0 and done.stdout == "said\n" and seconds < 30, done
 
 

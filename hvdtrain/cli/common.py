@@ -97,9 +97,9 @@ def _wait_for_rank_0_s_word(seconds: float, quiet: bool = False) -> None:
     its line and exits at once), and only the launcher's SIGTERM ends the rank. A `quiet` rank (one whose
     error rank 0 says) ends on it at once, by its default action: a handler in place then that only
     noted it would keep the rank waiting until the launcher's SIGKILL, named as the job's failure.
-    A rank with a line of its own (a failure only it met) keeps the handler, and says its line. Where fit
-    noted the launcher's SIGTERM or a Ctrl-C but failed before acting on it, the wait ends at once: the
-    job is ending already (a quiet rank ends by SIGTERM's default action, as if it came now)."""
+    A rank with a line of its own (a failure only it met) keeps the handler, and says its line. The
+    launcher's SIGTERM or a Ctrl-C that fit noted but did not act on, as it failed first, acts as if it
+    came now: the job is ending already."""
     import signal
 
     from hvdtrain.train import early_signals
@@ -117,8 +117,8 @@ def _wait_for_rank_0_s_word(seconds: float, quiet: bool = False) -> None:
         except (ValueError, OSError):  # not the main thread: the wait as it is
             pass
     try:
-        if quiet and signal.SIGTERM in noted:
-            signal.raise_signal(signal.SIGTERM)
+        for number in sorted(noted, reverse=True):  # SIGTERM (15) first: by the handler in place
+            signal.raise_signal(number)
         if not noted:
             time.sleep(seconds)
     except _CtrlC:
