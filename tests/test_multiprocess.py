@@ -27,6 +27,13 @@ def DOWNLOADED(root: Path) -> list[str]:
     return ["--data", "user_code:downloaded_digits", "--set", f"data.args.root={root}"]
 
 
+def assert_fetched_once_in_turn(root: Path, calls: int = 2, output: str = "") -> None:
+    """The data was fetched once, and the factory's calls on the ranks came one after another."""
+    assert (root / "fetches.log").read_text().count("\n") == 1, output[-3000:]
+    spans = sorted(tuple(map(float, line.split())) for line in (root / "calls.log").read_text().splitlines())
+    assert len(spans) == calls and all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), spans
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_fit_runs_under_each_launcher(launcher, tmp_path, request):
     if launcher == "horovodrun-mpi":  # the shared run: plain horovodrun picks MPI
@@ -36,7 +43,7 @@ def test_fit_runs_under_each_launcher(launcher, tmp_path, request):
     else:  # the data fetched as torchvision's download=True does it: once, by rank 0 (it found none there)
         run_dir = tmp_path / "run"
         done = fit_under(launcher, *DOWNLOADED(tmp_path / "cache"), "--epochs", "2", "--run-dir", str(run_dir))
-        assert (tmp_path / "cache" / "fetches.log").read_text().count("\n") == 1, done.stderr[-3000:]
+        assert_fetched_once_in_turn(tmp_path / "cache", output=done.stderr)
     assert_ok(done)
     summary = run_summary(run_dir)
     epochs = summary["epochs"]
@@ -64,10 +71,14 @@ def test_data_a_factory_downloads_is_fetched_once_by_rank_0_before_any_other_hos
                                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--no-python",
                                     "hvdtrain", *command], env=launch_env(), stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-        for agent in agents:
-            output, _ = agent.communicate(timeout=180)
-            assert agent.returncode == 0 and "Traceback" not in output, output[-3000:]
-        assert (tmp_path / "cache" / "fetches.log").read_text().count("\n") == 1, output[-3000:]
+        try:
+            for agent in agents:
+                output, _ = agent.communicate(timeout=180)
+                assert agent.returncode == 0 and "Traceback" not in output, output[-3000:]
+        finally:
+            for agent in agents:
+                agent.kill()
+        assert_fetched_once_in_turn(tmp_path / "cache", output=output)
         shutil.rmtree(tmp_path / "cache")  # the next command fetches again
 
     run_dir = tmp_path / "run"
@@ -578,7 +589,9 @@ def test_a_killed_rank_stops_the_job_and_resume_finishes_it(launcher, long_run, 
     deadline = time.monotonic() + 150  # a loaded host (make test's other worker) took over 60 s to the first one
     while not (killed / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline and job.poll() is None:
         time.sleep(0.05)
-    assert (killed / "checkpoints" / "last.pt").exists(), "the run should have written a checkpoint by now"
+    if not (killed / "checkpoints" / "last.pt").exists():
+        job.kill()
+        pytest.fail(f"no checkpoint after {time.monotonic() - deadline + 150:.0f} s:\n{job.communicate()[0][-3000:]}")
     ranks = {_rank_variable(process): process for process in _ranks_of(killed)}
     assert sorted(ranks) == ["0", "1"] and job.poll() is None, "the run should be mid-training"
     os.kill(ranks["1"].pid, signal.SIGKILL)

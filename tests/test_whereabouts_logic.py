@@ -207,7 +207,8 @@ def test_a_collective_of_set_up_waits_a_minute_at_least_and_one_of_training_the_
     assert "at set-up (train.stall_timeout 1 s, 60 s at least in set-up)" in capsys.readouterr().err
     assert wait_rule("set-up", 5) == "train.stall_timeout 5 s, 60 s at least in set-up"
     # Waiting while rank 0 makes the data first (a download): what to do about that, not a mismatch of collectives.
-    advice = ("makes the data (a download, a cache): fetch it before the job, or raise train.stall_timeout")
+    advice = ("makes the data (a download, a cache): fetch it before the job, or raise train.stall_timeout; a "
+              "factory that waits for the other ranks itself (a barrier) needs --set data.in_turn=false")
     first = Activity(collective="allgather 'agree.data_first.0'", since=time.time() - 61)
     ended.clear()
     _watched(first, ended)

@@ -48,7 +48,8 @@ def blobs_split():
 def downloaded_digits(root):
     """The digits as a torchvision data set with download=True gets its data: fetched into `root` unless
     an intact copy is there, in chunks straight into the file (as torchvision writes it), then checked,
-    and "corrupted" where it is not intact. Each fetch adds a line to root/fetches.log."""
+    and "corrupted" where it is not intact. Each fetch adds a line to root/fetches.log, and each call its
+    start and end times to root/calls.log."""
     import hashlib
     import io
     import os
@@ -58,6 +59,7 @@ def downloaded_digits(root):
     import numpy as np
     from sklearn.datasets import load_digits
 
+    began = time.time()
     digits = load_digits()
     payload = io.BytesIO()
     np.savez(payload, x=digits.data.astype(np.float32) / 16, y=digits.target)
@@ -78,6 +80,8 @@ def downloaded_digits(root):
                 time.sleep(0.2)
     if not intact():
         raise RuntimeError("Dataset not found or corrupted. You can use download=True to download it")
+    with open(archive.parent / "calls.log", "a") as log:
+        log.write(f"{began} {time.time()}\n")
     arrays = np.load(archive)
     order = torch.randperm(len(arrays["y"]), generator=torch.Generator().manual_seed(0))
     x, y = torch.from_numpy(arrays["x"])[order], torch.from_numpy(arrays["y"])[order]

@@ -47,7 +47,7 @@ def evaluate_run(saved: SavedRun, engine: Engine, part: str) -> dict[str, Any]:
     """The task's metrics over every sample of the part, each counted once across ranks."""
     cfg = saved.config
     precision = Precision(cfg.train.precision, engine.device)
-    made = engine.made_in_turn(lambda: part_of(saved, part))  # dist: a download or cache made once
+    made = engine.made_in_turn(lambda: part_of(saved, part)) if cfg.data.in_turn else None  # dist: fetched once
     with engine.agree("data"):
         dataset, collate = made or part_of(saved, part)
         first = first_batch(dataset, cfg.data.batch_size, collate, "evaluation", engine.device)
@@ -78,7 +78,7 @@ def predict_run(saved: SavedRun, engine: Engine, part: str, raw: bool) -> list[t
     answer, or with `raw` the model's output. Batches are the same for any world size."""
     cfg = saved.config
     precision = Precision(cfg.train.precision, engine.device)
-    made = engine.made_in_turn(lambda: part_of(saved, part, need_targets=False))  # dist: as evaluate
+    made = engine.made_in_turn(lambda: part_of(saved, part, need_targets=False)) if cfg.data.in_turn else None
     with engine.agree("data"):
         dataset, collate = made or part_of(saved, part, need_targets=False)
         first = first_batch(dataset, cfg.data.batch_size, collate, "prediction", engine.device)

@@ -58,6 +58,11 @@ class DataConfig:
     `size`, `scale`, `ratio`, `flip`, `jitter`, `mean`, `std` (`--set data.augment.flip=false`)."""
     num_classes: Optional[int] = None
     """Classes (or vocabulary size) for the model when the data set does not say (no `classes` attribute, labels not held)."""
+    in_turn: bool = True
+    """dist: make the data on rank 0 first, then on each other host's first rank, then on every other rank
+    at once: what a factory downloads or caches is fetched once, not by every rank over the same files.
+    false: every rank at once, for a factory that waits for the other ranks itself (a barrier after its
+    download on rank 0), which would otherwise wait for ranks that wait for it."""
     collate: Optional[str] = None
     """How samples become a batch: None (PyTorch's default: stacks tensors, keeps tuples and
     dicts), `pad` (pads variable-length sequences to the longest in the batch: targets

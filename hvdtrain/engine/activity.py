@@ -120,7 +120,8 @@ def stall_advice(collective: str | None) -> str:
     """The stall line's last words: what to do about it."""
     if collective and f"agree.{MADE_IN_TURN}." in collective:
         return ("The others wait while rank 0, then each other host's first rank, makes the data (a download, a "
-                "cache): fetch it before the job, or raise train.stall_timeout")
+                "cache): fetch it before the job, or raise train.stall_timeout; a factory that waits for the other "
+                "ranks itself (a barrier) needs --set data.in_turn=false")
     return "Every rank must run the same collectives; raise train.stall_timeout if a step can take that long"
 
 

@@ -39,7 +39,7 @@ def fit_plain(config: Config, engine: Engine, started: float) -> dict[str, Any]:
 def _set_up(trainer: Trainer) -> Callbacks:
     """Every check on every rank; returns the callbacks."""
     config, engine = trainer.config, trainer.engine
-    made = engine.made_in_turn(lambda: make_data(config))  # dist: a download or cache made once
+    made = engine.made_in_turn(lambda: make_data(config)) if config.data.in_turn else None  # dist: fetched once
     with engine.agree("setup"):  # dist: a failure on any rank stops all of them here
         if config.run.horovod_timeline:
             engine.require_timeline()
