@@ -116,7 +116,16 @@ def allowed_wait(where: str, timeout: float) -> float:
     return max(timeout, SET_UP_SECONDS) if where == SET_UP else timeout
 
 
-def stall_advice(collective: str | None) -> str:
+def stall_line(rank: int, mine: Activity, timeout: float, missing: list[str]) -> str:
+    """The stall's error line, as the watchdog and the whereabouts report say it: the rank that waited
+    where, the ranks `missing` there (described), and what to do about it."""
+    absent = ", ".join(missing) or "none: every rank waits here, so one of them has not reached its part of it"
+    return (f"hvdtrain: error: the job stalled: rank {rank} waited {time.time() - mine.since:.0f} s in "
+            f"{mine.collective} at {mine.where} ({wait_rule(mine.where, timeout)}); not there: {absent}. "
+            f"{_stall_advice(mine.collective)}")
+
+
+def _stall_advice(collective: str | None) -> str:
     """The stall line's last words: what to do about it."""
     if collective and f"agree.{MADE_IN_TURN}." in collective:
         return ("The others wait while rank 0, then each other host's first rank, makes the data (a download, a "

@@ -20,7 +20,7 @@ import time
 import urllib.request
 from typing import Any, Callable, Protocol
 
-from hvdtrain.engine.activity import Activity, allowed_wait, stall_advice, wait_rule
+from hvdtrain.engine.activity import Activity, allowed_wait, stall_line
 from hvdtrain.engine.report_channel import end_process
 
 _SCOPE = "hvdtrain-activity"
@@ -141,11 +141,6 @@ class StallWatchdog:
         if any(r < rank and a and a.collective and now - a.since > allowed_wait(a.where, self.timeout)
                for r, a in others.items()):
             time.sleep(_GRACE_SECONDS)  # a lower rank is stalled too and reports; give it time
-        if not missing:
-            missing = ["none: every rank waits here, so one of them has not reached its part of it"]
-        sys.stderr.write(
-            f"hvdtrain: error: the job stalled: rank {rank} waited {time.time() - mine.since:.0f} s in "
-            f"{mine.collective} at {mine.where} ({wait_rule(mine.where, self.timeout)}); not there: "
-            f"{', '.join(missing)}. {stall_advice(mine.collective)}\n")
+        sys.stderr.write(stall_line(rank, mine, self.timeout, missing) + "\n")
         sys.stderr.flush()
         end_process(1)  # the training thread is blocked inside a collective; nothing else would end it

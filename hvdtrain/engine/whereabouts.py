@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hvdtrain.engine.activity import Activity, allowed_wait, in_phase, stall_advice, wait_rule
+from hvdtrain.engine.activity import Activity, allowed_wait, in_phase, stall_line
 from hvdtrain.engine.report_channel import (ANSWER_SECONDS, RankLink, ReportServer, end_process, own_addresses,
                                             request)
 from hvdtrain.engine.stacks import frame_line, main_frames, rank_report, report_text, state, user_frames
@@ -204,11 +204,7 @@ def stall_lines(rank: int, mine: Activity, timeout: float, reports: list[dict[st
     here = (mine.collective, mine.where)
     away = [(r, report) for r, report in enumerate(reports)
             if r != rank and (report is None or (report["collective"], report["where"]) != here)]
-    missing = [f"rank {r} ({_short(report)})" for r, report in away] or \
-        ["none: every rank waits here, so one of them has not reached its part of it"]
-    lines = [f"hvdtrain: error: the job stalled: rank {rank} waited {time.time() - mine.since:.0f} s in "
-             f"{mine.collective} at {mine.where} ({wait_rule(mine.where, timeout)}); not there: "
-             f"{', '.join(missing)}. {stall_advice(mine.collective)}",
+    lines = [stall_line(rank, mine, timeout, [f"rank {r} ({_short(report)})" for r, report in away]),
              "hvdtrain: where each rank was" + (f" (every rank's whole stack: {folder})" if folder else "") + ":"]
     waiting = [r for r, report in enumerate(reports) if (r == rank or report) and r not in dict(away)]
     if waiting:
