@@ -37,6 +37,12 @@ def python_under(launcher: str) -> list[str]:
     return LAUNCHERS[launcher] if launcher == "torchrun" else [*LAUNCHERS[launcher], sys.executable]
 
 
+def DOWNLOADED(root: Path) -> list[str]:
+    """A user's data fetched into `root` where no intact copy is, then checked (user_code.downloaded_digits):
+    root/calls.log is there once the factory was called."""
+    return ["--data", "user_code:downloaded_digits", "--set", f"data.args.root={root}"]
+
+
 def launch_env(pythonpath: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hvdtrain
-from conftest import epoch_records, launch_env
+from conftest import DOWNLOADED, epoch_records, launch_env
 from hvdtrain.cli import main
 from hvdtrain.errors import UserError
 
@@ -194,13 +194,15 @@ def test_bad_input_is_one_line_and_touches_nothing(case, existing_run, files, ca
     assert snapshot(existing_run) == before
 
 
-def test_existing_run_directory_is_not_clobbered(existing_run, capsys):
+def test_existing_run_directory_is_not_clobbered(existing_run, tmp_path, capsys):
+    """Refused before the data is made: a download is not the price of a wrong --run-dir."""
     before = snapshot(existing_run)
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--engine", "local", "--run-dir", str(existing_run)])
+        main(["fit", "--engine", "local", *DOWNLOADED(tmp_path / "cache"), "--run-dir", str(existing_run)])
     assert exit_info.value.code == 2
     assert "already holds a run: pass --resume to continue it, --overwrite" in capsys.readouterr().err
     assert snapshot(existing_run) == before
+    assert not (tmp_path / "cache" / "calls.log").exists()
 
 
 def test_hvdtrain_alone_shows_its_usage_not_an_error(capsys):
@@ -445,12 +447,14 @@ def test_a_second_job_in_a_running_job_s_directory_is_refused_and_the_first_fini
         while not (run_dir / "checkpoints" / "last.pt").exists():  # mid-run, with something to resume
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
             time.sleep(0.1)
-        for how in ("--overwrite", "--resume"):
+        for how in ("--overwrite", "--resume"):  # refused before its data is made (a download, maybe)
             with pytest.raises(SystemExit) as exit_info:
-                main(["fit", "--engine", "local", *PACED, "--epochs", "4", "--run-dir", str(run_dir), how])
+                main(["fit", "--engine", "local", *PACED, *DOWNLOADED(tmp_path / "cache"), "--epochs", "4",
+                      "--run-dir", str(run_dir), how])
             assert exit_info.value.code == 2
             err = capsys.readouterr().err
             assert f"hvdtrain: error: another job is running in run directory '{run_dir}'" in err, err
+            assert not (tmp_path / "cache" / "calls.log").exists()
         out, err = first.communicate(timeout=120)
     finally:
         first.kill()

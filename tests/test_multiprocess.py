@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (HOROVOD_AND_TORCH, LAUNCHERS, ROOT, assert_ok, assert_same_weights, epoch_records,
+from conftest import (DOWNLOADED, HOROVOD_AND_TORCH, LAUNCHERS, ROOT, assert_ok, assert_same_weights, epoch_records,
                       final_weights, fit_here, fit_ok, fit_under, free_port, launch_env, python_under, requires_launchers,
                       run, run_summary, step_losses)
 from hvdtrain.cli import main
@@ -20,11 +20,6 @@ from hvdtrain.cli import main
 pytestmark = [pytest.mark.multiprocess, requires_launchers, pytest.mark.timeout(300)]
 
 RANDOM = ["--data", "random", "--set", "data.samples=600", "--set", "data.features=12", "--threads", "1"]
-
-
-def DOWNLOADED(root: Path) -> list[str]:
-    """A user's data fetched into `root` where no intact copy is, then checked (user_code.downloaded_digits)."""
-    return ["--data", "user_code:downloaded_digits", "--set", f"data.args.root={root}"]
 
 
 def assert_fetched_once_in_turn(root: Path, calls: int = 2, output: str = "") -> None:
@@ -311,10 +306,11 @@ BAD = {
     "model built alike on no two ranks": (["--data", "user_code:blobs", "--model", "user_code:net_sized_by_rank"],
                                           "rank 1 built another model than rank 0: '1.weight' is 24×5 there, 16×5 on "
                                           "rank 0"),
-    # a config file edited on one host: Horovod waited 300 s for rank 1's gradients, then named it as stuck
-    "settings differ on rank 1": (["--data", "user_code:blobs", "--model", "user_code:tiny_net"],
-                                  "rank 1 was started with other settings than rank 0: data.batch_size is 8 there, 64 "
-                                  "on rank 0; train.epochs is 3 there, 20 on rank 0: start every rank with the same"),
+    # a config file edited on one host: Horovod waited 300 s for rank 1's gradients, then named it as stuck.
+    # The data is fetched (DOWNLOADED) and rank 1 makes its own at once: named before any rank fetched it
+    "settings differ on rank 1": ([], "rank 1 was started with other settings than rank 0: data.batch_size is 8 there, "
+                                      "64 on rank 0; data.in_turn is False there, True on rank 0; train.epochs is 3 "
+                                      "there, 20 on rank 0: start every rank with the same"),
 }
 
 
@@ -335,13 +331,15 @@ BAD_RUNS = [(launcher, case) for launcher in LAUNCHERS for case in ("wrong confi
 RANK_0_LATE = 'rank=${HOROVOD_RANK:-${OMPI_COMM_WORLD_RANK:-$RANK}}; [ "$rank" = 0 ] && sleep 2; exec "$@"'
 # Rank 1 started with settings of its own.
 RANK_1_OTHERWISE = 'rank=${HOROVOD_RANK:-${OMPI_COMM_WORLD_RANK:-$RANK}}; [ "$rank" = 1 ] && ' \
-                   'set -- "$@" --batch-size 8 --epochs 3; exec "$@"'
+                   'set -- "$@" --batch-size 8 --epochs 3 --set data.in_turn=false; exec "$@"'
 SHELL_BEFORE = {"wrong config type": RANK_0_LATE, "settings differ on rank 1": RANK_1_OTHERWISE}
 
 
 @pytest.mark.parametrize("launcher, case", BAD_RUNS)
 def test_bad_input_under_each_launcher(launcher, case, tmp_path):
     args, message = BAD[case]
+    if case == "settings differ on rank 1":
+        args = DOWNLOADED(tmp_path / "cache")
     existing = tmp_path / "existing"
     shutil.copytree(ROOT / "tests", existing / "untouched")  # stands for a previous run's files
     fit = ["hvdtrain", "fit", "--progress", "off", *args, "--run-dir", str(existing), "--overwrite"]
@@ -359,6 +357,7 @@ def test_bad_input_under_each_launcher(launcher, case, tmp_path):
         in output
     assert "Traceback" not in output
     assert (existing / "untouched" / "conftest.py").read_text() == (ROOT / "tests/conftest.py").read_text()
+    assert not (tmp_path / "cache" / "calls.log").exists()  # a refusal costs no download
     if launcher != "mpirun":  # rank 0's line, then the entry's, and nothing of the launcher's
         # or of a rank it ended between them (Horovod's "Process 1 exit with status code 143.", a shell's "Terminated",
         # Open MPI's boxed "the job has been aborted")

@@ -81,13 +81,42 @@ def prepare_run_dir(cfg: RunConfig, claimed: bool = True) -> tuple[Path, bool]:
     Returns it and whether the run goes on from a checkpoint there. `claimed`: this process holds
     it (run_lock) until its fit ends, and a job running there already is refused before anything
     changes."""
+    path, resuming, holds_a_run = _decided(cfg)
+    if path is None:
+        path = _fresh_default_dir()
+        _claim(path, claimed)
+        return path, False
+    if resuming:
+        _claim(path, claimed)
+        return path, True
+    make_dir(path)
+    key = _claim(path, claimed)  # before anything goes: a job still writing there keeps it all
+    if holds_a_run:
+        try:
+            _empty(path)
+        except BaseException:
+            run_lock.release(key)
+            raise
+    return path, False
+
+
+def check_run_dir(cfg: RunConfig, claimed: bool = True) -> None:
+    """prepare_run_dir's refusals, with nothing made, claimed or removed: rank 0 says them before the
+    data is made (a download, maybe), and prepare_run_dir decides again when the run begins."""
+    path, _, _ = _decided(cfg)
+    if path is not None and claimed:
+        run_lock.check_free(path)
+
+
+def _decided(cfg: RunConfig) -> tuple[Path | None, bool, bool]:
+    """What prepare_run_dir does with --run-dir, or the UserError that refuses it: the directory (None:
+    a fresh one under runs/), whether the run resumes from a checkpoint there, and whether it holds
+    files of an earlier run (emptied where the run starts again)."""
     if cfg.dir is None:
         if cfg.resume:
             raise UserError(f"--resume{' auto' if cfg.resume == 'auto' else ''} needs --run-dir: the run directory "
                             "to continue")
-        path = _fresh_default_dir()
-        _claim(path, claimed)
-        return path, False
+        return None, False, False
     path = Path(cfg.dir)
     if path.exists() and not path.is_dir():
         raise UserError(f"run directory '{path}' is a file: choose another --run-dir")
@@ -95,8 +124,7 @@ def prepare_run_dir(cfg: RunConfig, claimed: bool = True) -> tuple[Path, bool]:
     has_checkpoints = CheckpointStore(path).has_any()
     if cfg.resume == "auto":
         if has_checkpoints:
-            _claim(path, claimed)
-            return path, True
+            return path, True, has_content
         foreign = sorted(entry.name for entry in path.iterdir() if not _is_run_file(entry)) if has_content else []
         if foreign:
             raise UserError(f"--resume auto: '{path}' has no checkpoint to resume and holds files that are not a "
@@ -110,22 +138,13 @@ def prepare_run_dir(cfg: RunConfig, claimed: bool = True) -> tuple[Path, bool]:
     elif cfg.resume:
         if not has_checkpoints:
             raise UserError(f"nothing to resume in '{path}': it has no checkpoints; drop --resume to start a new run")
-        _claim(path, claimed)
-        return path, True
+        return path, True, has_content
     elif has_content and not cfg.overwrite:
         raise UserError(
             f"run directory '{path}' already holds a run: pass --resume to continue it, "
             "--overwrite to start it again, or choose another --run-dir"
         )
-    make_dir(path)
-    key = _claim(path, claimed)  # before anything goes: a job still writing there keeps it all
-    if has_content:
-        try:
-            _empty(path)
-        except BaseException:
-            run_lock.release(key)
-            raise
-    return path, False
+    return path, False, has_content
 
 
 def _claim(path: Path, claimed: bool) -> Path | None:

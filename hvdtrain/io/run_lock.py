@@ -70,8 +70,7 @@ def claim(run_dir: Path) -> Path | None:
                                  f"last allocation ({_who(holder)}), whose host the file system has not let go of "
                                  "yet: going on without the lock\n")
                 return None
-            raise UserError(f"another job is running in run directory '{run_dir}' ({_who(holder)}): wait for it or "
-                            "stop it, or choose another --run-dir") from None
+            raise _another_job(run_dir, holder) from None
         except OSError:  # no locks on this file system
             os.close(fd)
             return None
@@ -81,6 +80,20 @@ def claim(run_dir: Path) -> Path | None:
              "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0")}
     _write_note(fd, json.dumps(facts).encode(), sync=True)  # the lock holds without its note
     return claimed
+
+
+def check_free(run_dir: Path) -> None:
+    """claim's refusal, with nothing claimed: UserError where another job holds the run directory now."""
+    if key(run_dir) in _held:  # this process's own claim (a fit before, in a script): claim lets it go
+        return
+    held, holder = glance(run_dir)
+    if held and not _own_job_s_last_allocation(holder):
+        raise _another_job(run_dir, holder)
+
+
+def _another_job(run_dir: Path, holder: dict) -> UserError:
+    return UserError(f"another job is running in run directory '{run_dir}' ({_who(holder)}): wait for it or "
+                     "stop it, or choose another --run-dir")
 
 
 def _lock_unless_held(fd: int) -> None:

@@ -49,6 +49,7 @@ def fit_elastic(config: Config, engine: Engine, started: float) -> dict[str, Any
     def before_sync() -> None:
         engine.settle("setup", None)
         with engine.agree("built_alike"):
+            trainer.check_settings_alike()
             trainer.check_built_alike()
 
     run = trainer.run

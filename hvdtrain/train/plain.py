@@ -39,15 +39,21 @@ def fit_plain(config: Config, engine: Engine, started: float) -> dict[str, Any]:
 def _set_up(trainer: Trainer) -> Callbacks:
     """Every check on every rank; returns the callbacks."""
     config, engine = trainer.config, trainer.engine
-    made = engine.made_in_turn(lambda: make_data(config)) if config.data.in_turn else None  # dist: fetched once
-    with engine.agree("setup"):  # dist: a failure on any rank stops all of them here
+    # dist: what costs nothing first, so that a wrong setting or run directory costs no download. The
+    # settings alike before any other collective: the ranks' data.in_turn decides which come next.
+    with engine.agree("options"):
+        trainer.check_settings_alike()
+        if engine.is_root:
+            trainer.check_run_dir()
         if config.run.horovod_timeline:
             engine.require_timeline()
+        if config.run.mlflow:
+            require_mlflow()
+    made = engine.made_in_turn(lambda: make_data(config)) if config.data.in_turn else None  # dist: fetched once
+    with engine.agree("setup"):  # dist: a failure on any rank stops all of them here
         trainer.prepare(made)
         callbacks = build_callbacks(config.train.callbacks, trainer.best, config.train.early_stopping_patience,
                                     config.train.early_stopping_min_delta)
-        if config.run.mlflow:
-            require_mlflow()
     with engine.agree("built_alike"):
         trainer.check_built_alike()
     callbacks.settle(engine)

@@ -25,7 +25,7 @@ from hvdtrain.errors import StoppedBySignal, UserError, where_the_job_stood
 from hvdtrain.io.checkpoint import Start
 from hvdtrain.io.progress import say
 from hvdtrain.io import run_lock
-from hvdtrain.io.run_dir import after_a_restart, prepare_run_dir
+from hvdtrain.io.run_dir import after_a_restart, check_run_dir, prepare_run_dir
 from hvdtrain.model_layout import check_same_model
 from hvdtrain.models import unwrapped
 from hvdtrain.train.callbacks import Callbacks, StoppedEarly
@@ -102,11 +102,18 @@ class Trainer:
         self.shard: Shard = shard(self.run, self.config, self.engine)
         self.first, self.best = check_task(self.run, self.config, self.engine)
 
-    def check_built_alike(self) -> None:
-        """Every rank's settings, data set and model the same as rank 0's (collectives)."""
+    def check_settings_alike(self) -> None:
+        """Every rank's settings the same as rank 0's (collectives)."""
         check_same_settings(self.started_with, self.engine)  # dist
+
+    def check_built_alike(self) -> None:
+        """Every rank's data set and model the same as rank 0's (collectives)."""
         check_same_data(self.run, self.engine)  # dist
         check_same_model(unwrapped(self.run.model), self.engine)  # dist
+
+    def check_run_dir(self) -> None:
+        """Rank 0: the run directory's refusals (--resume, --overwrite, another job there), nothing made yet."""
+        check_run_dir(after_a_restart(self.config.run, lambda line: None), claimed=not self.config.train.elastic)
 
     def start_on_root(self) -> Start:
         """On rank 0, after every check passed: the run directory, and the checkpoint when resuming.
