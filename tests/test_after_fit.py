@@ -227,6 +227,17 @@ def test_a_model_its_factory_compiled_is_evaluated_predicted_and_exported(tmp_pa
     assert np.load(tmp_path / "p.npy").shape[0] > 0 and (tmp_path / "m.safetensors").is_file()
 
 
+def test_evaluate_s_val_is_fit_s_where_the_factory_splits_with_the_global_generators(tmp_path, capsys):
+    """The random generators are seeded alike before the data is made, in fit and in evaluate: evaluate
+    measured other samples than fit's `val`, and called them so (its model was built first)."""
+    run_dir = tmp_path / "run"
+    main(["fit", *LOCAL, "--data", "user_code:split_by_the_global_generators", "--model", "user_code:tiny_net",
+          "--epochs", "1", "--batch-size", "16", "--run-dir", str(run_dir)])
+    main(["evaluate", str(run_dir), "--checkpoint", "last", "--output", str(tmp_path / "e.json")])
+    result, record = json.loads((tmp_path / "e.json").read_text()), epoch_records(run_dir)[-1]
+    assert result["loss"] == pytest.approx(record["val_loss"], rel=1e-6) and result["acc"] == record["val_acc"]
+
+
 def test_a_model_with_extra_state_trains_evaluates_and_exports_it(tmp_path, capsys, monkeypatch):
     """A state dict may hold objects (a module's get_extra_state; both engines' broadcast of it:
     tests/test_multiprocess.py): the safetensors export took it for a tensor and failed. It keeps JSON extra

@@ -306,6 +306,9 @@ BAD = {
     "model built alike on no two ranks": (["--data", "user_code:blobs", "--model", "user_code:net_sized_by_rank"],
                                           "rank 1 built another model than rank 0: '1.weight' is 24×5 there, 16×5 on "
                                           "rank 0"),
+    # same-sized data sets that differ (shuffled otherwise on each rank): each rank trained its own shard of its own
+    "samples differ on rank 1": (["--data", "user_code:shuffled_by_a_generator_of_its_own", "--model",
+                                  "user_code:tiny_net"], "rank 1 made other samples than rank 0: "),
     # a config file edited on one host: Horovod waited 300 s for rank 1's gradients, then named it as stuck.
     # The data is fetched (DOWNLOADED) and rank 1 makes its own at once: named before any rank fetched it
     "settings differ on rank 1": ([], "rank 1 was started with other settings than rank 0: data.batch_size is 8 there, "
@@ -323,7 +326,8 @@ BAD_RUNS = [(launcher, case) for launcher in LAUNCHERS for case in ("wrong confi
     ("torchrun", "Horovod engine under torchrun"), ("mpirun", "local engine under a launcher"),
     ("horovodrun-mpi", "optimizer already distributed"), ("torchrun", "optimizer already distributed"),
     ("horovodrun-gloo", "model built alike on no two ranks"), ("torchrun", "model built alike on no two ranks"),
-    ("mpirun", "settings differ on rank 1"), ("torchrun", "settings differ on rank 1")]
+    ("mpirun", "settings differ on rank 1"), ("torchrun", "settings differ on rank 1"),
+    ("horovodrun-gloo", "samples differ on rank 1"), ("torchrun", "samples differ on rank 1")]
 
 
 # Rank 0 starts this long after the others in the command-line case: launchers stop every rank once

@@ -117,6 +117,33 @@ def fails_on_one_rank():
     return Blobs()
 
 
+def split_by_the_global_generators():
+    """A split as scikit-learn's train_test_split without random_state draws it (numpy's generator),
+    shuffled again by torch's and Python's: the same wherever those are seeded alike."""
+    import random
+
+    import numpy as np
+    from torch.utils.data import Subset
+
+    data = Blobs()
+    order = np.random.permutation(len(data))[torch.randperm(len(data))].tolist()
+    random.shuffle(order)
+    train, val = Subset(data, order[:240]), Subset(data, order[240:])
+    train.classes = val.classes = data.classes
+    return train, val
+
+
+def shuffled_by_a_generator_of_its_own():
+    """Samples in an order drawn from a generator seeded by the operating system: another on each rank."""
+    import numpy as np
+    from torch.utils.data import Subset
+
+    data = Blobs()
+    shuffled = Subset(data, np.random.default_rng().permutation(len(data)).tolist())
+    shuffled.classes = data.classes
+    return shuffled
+
+
 def tensors():
     """A factory returning plain TensorDatasets: the class count comes from the labels."""
     from torch.utils.data import TensorDataset

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, TensorDataset
 from hvdtrain.data.augment import prepared_batches
 from hvdtrain.data.batch import to_device
 from hvdtrain.io.atomic import atomic_write
-from hvdtrain.data.loading import batches, collate_function, first_batch
+from hvdtrain.data.loading import batches, collate_function, first_batch, seeded_for_data
 from hvdtrain.data.sources import build_part
 from hvdtrain.engine import Engine
 from hvdtrain.errors import UserError
@@ -27,6 +27,7 @@ from hvdtrain.train.loop import evaluate
 from hvdtrain.numerics.precision import Precision
 from hvdtrain.data.sampler import EvalShardSampler, FixedBatchesByRank
 from hvdtrain.after.saved_run import SavedRun
+from hvdtrain.same_samples import check_same_samples
 from hvdtrain.tasks import predictions
 from hvdtrain.tasks.check import check_first_batch, guarded
 
@@ -37,6 +38,7 @@ def part_of(saved: SavedRun, part: str, need_targets: bool = True) -> tuple[Data
     """The data set part to run over (with the run's data config and the command's overrides),
     and the run's collate function for it."""
     cfg = saved.config
+    seeded_for_data(cfg.train.seed)  # as fit made it
     dataset = build_part(cfg.data, cfg.train.seed, saved.task.target_key, part, need_targets)
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise UserError(f"data set '{cfg.data.name}' ({part}) has no samples")
@@ -53,6 +55,8 @@ def evaluate_run(saved: SavedRun, engine: Engine, part: str) -> dict[str, Any]:
         first = first_batch(dataset, cfg.data.batch_size, collate, "evaluation", engine.device)
         held = dataset.tensors[-1] if isinstance(dataset, TensorDataset) and len(dataset.tensors) > 1 else None
         template = check_first_batch(saved.task, saved.model, first, held, precision, "evaluation").template
+    with engine.agree("data_alike"):
+        check_same_samples({part: dataset}, engine)  # dist: or ranks would count other samples
     sampler = EvalShardSampler(len(dataset), cfg.data.batch_size, engine.rank, engine.size)  # dist
     loaded = Counted(prepared_batches(batches(dataset, sampler, 0, False, collate), dataset, engine.device), len(sampler))
     with loaded.failures_located(engine, "evaluation"):
@@ -85,6 +89,8 @@ def predict_run(saved: SavedRun, engine: Engine, part: str, raw: bool) -> list[t
         # dist: data that does not fit the model fails here, on every rank, with one line
         guarded(saved.task, "the model's forward", lambda: _predicted(saved, first, precision, raw), first,
                 "prediction")
+    with engine.agree("data_alike"):
+        check_same_samples({part: dataset}, engine)  # dist: or rank 0 would put others' predictions in its order
     sampler = FixedBatchesByRank(len(dataset), cfg.data.batch_size, engine.rank, engine.size)  # dist
     mine = []
     loaded = Counted(prepared_batches(batches(dataset, sampler, 0, False, collate), dataset, engine.device),

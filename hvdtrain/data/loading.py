@@ -132,6 +132,13 @@ def seed_generators(seed: int) -> None:
     random.seed(seed)
 
 
+def seeded_for_data(seed: int) -> None:
+    """Before a data set is made, for fit, evaluate and predict alike: a factory that splits or shuffles
+    with torch's, numpy's or Python's own generator (scikit-learn's train_test_split without random_state
+    draws from numpy's) makes the same samples on every rank, and evaluate's `val` is fit's."""
+    seed_generators(seed)
+
+
 class _SeededInWorkers(Dataset):
     """The data set, as a data-loader worker loads it: seeded with the batch's own seed first
     (`sampler.SeededBatch`). The main process keeps its own random state, which a checkpoint

@@ -17,7 +17,8 @@ from hvdtrain.config import Config
 from hvdtrain.config.schema import signal_numbers
 from hvdtrain.data import mapped
 from hvdtrain.data.augment import prepared_batches
-from hvdtrain.data.loading import batches, collate_function, data_workers, end_workers, first_batch
+from hvdtrain.data.loading import (batches, collate_function, data_workers, end_workers, first_batch,
+                                   seeded_for_data)
 from hvdtrain.data.sampler import EvalShardSampler, TrainingSampler
 from hvdtrain.data.stream_sampler import training_sampler
 from hvdtrain.data.streams import StreamDataset
@@ -30,6 +31,7 @@ from hvdtrain.models import DATA_PARALLEL, ModelShapes, unwrapped
 from hvdtrain.tasks import BUILT_IN as BUILT_IN_TASKS, Task, build_task
 from hvdtrain.tasks.check import FirstBatch, best_metric, check_first_batch
 from hvdtrain.numerics.precision import Precision
+from hvdtrain.same_samples import check_same_samples
 from hvdtrain.train.loggers import warn
 from hvdtrain.train.random_state import rng_state, set_rng_state
 from hvdtrain.train.sparse_gradients import densify_sparse_gradients
@@ -85,10 +87,10 @@ class MadeData:
 
 def make_data(config: Config) -> MadeData:
     """The task and the data set; no collectives, no files but the data's own."""
-    torch.manual_seed(config.train.seed)  # the same initial weights everywhere, broadcast anyway
     task = build_task(config.task)
     if mapped.is_token_file(config.data.name):
         mapped.check_token_run(config.data.name, config.task.name, config.model.name)
+    seeded_for_data(config.train.seed)  # then the model: the same initial weights everywhere, broadcast anyway
     split: DataSplit = build_data(config.data, config.train.seed, task.target_key)
     return MadeData(task, split, rng_state())
 
@@ -193,7 +195,8 @@ def check_same_data(run: Run, engine: Engine) -> None:
 
     Each rank builds the data itself (a factory may read per-host files); the batch
     counts follow from the sizes (the rest of the config is the same everywhere), and a
-    rank with more batches would wait in an allreduce that the others never join.
+    rank with more batches would wait in an allreduce that the others never join. Of the
+    same size, a few samples tell whether they are the same ones (`same_samples`).
     """
     everyone = engine.allgather_object((len(run.split.train), len(run.split.val)), "data_sizes")  # dist
     if len(set(everyone)) > 1:
@@ -207,6 +210,7 @@ def check_same_data(run: Run, engine: Engine) -> None:
         raise UserError(f"ranks 0 and {differs} see different shards, or shards of different sizes, under "
                         f"'{run.split.train.source.names()[0]}'...: every rank must read the same shards (the same "
                         "files, or exact copies)")
+    check_same_samples({"train": train, "val": run.split.val}, engine)  # dist
 
 
 def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:

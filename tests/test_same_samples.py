@@ -1,0 +1,185 @@
+"""Every rank must make the same samples: what the check says of each way a rank's differ from rank 0's,
+and what it lets pass, on two ranks in threads whose collectives meet at a barrier (under real launchers:
+tests/test_multiprocess.py, bad input)."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+
+from hvdtrain import same_samples
+from hvdtrain.same_samples import check_same_samples
+from hvdtrain.engine.local import LocalEngine
+from hvdtrain.errors import UserError
+
+X = torch.arange(120, dtype=torch.float32).reshape(40, 3) / 7
+Y = torch.arange(40) % 4
+
+
+class _Exchange:
+    def __init__(self):
+        self.barrier = threading.Barrier(2, timeout=30)
+        self.slots: list = [None, None]
+
+
+class _Rank(LocalEngine):
+    """One of two ranks in threads of this process: an allgather meets the other rank's at a barrier."""
+
+    def __init__(self, exchange: _Exchange, rank: int):
+        super().__init__(torch.device("cpu"))
+        self.rank, self.size, self.exchange = rank, 2, exchange
+        self.gathered: list[str] = []
+
+    def allgather_object(self, obj, name):
+        self.gathered.append(name)
+        self.exchange.slots[self.rank] = obj
+        self.exchange.barrier.wait()
+        everyone = list(self.exchange.slots)
+        self.exchange.barrier.wait()
+        return everyone
+
+    def broadcast_object(self, obj, name):
+        return self.allgather_object(obj, name)[0]
+
+
+def _checked_on_two_ranks(parts_of, monkeypatch) -> tuple[list, list]:
+    """check_same_samples on ranks 0 and 1 at once, rank r's parts `parts_of(r)`: (each rank's error or
+    None, each rank's collectives). Their reads take turns: both ranks' generators are this process's."""
+    read, turn = same_samples._read, threading.Lock()
+
+    def in_turn(dataset):
+        with turn:
+            return read(dataset)
+
+    monkeypatch.setattr(same_samples, "_read", in_turn)
+    exchange, errors = _Exchange(), [None, None]
+    engines = [_Rank(exchange, rank) for rank in (0, 1)]
+
+    def run(rank):
+        try:
+            check_same_samples(parts_of(rank), engines[rank])
+        except Exception as err:  # noqa: BLE001 - what the rank would say
+            errors[rank] = err
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    return errors, [engine.gathered for engine in engines]
+
+
+def _refused_alike(errors) -> str:
+    assert all(isinstance(err, UserError) for err in errors), errors
+    assert str(errors[0]) == str(errors[1])  # every rank raises the same line (rank 0's is said)
+    return str(errors[0])
+
+
+def test_alike_samples_pass_in_one_small_collective(monkeypatch):
+    errors, gathered = _checked_on_two_ranks(lambda rank: {"train": TensorDataset(X, Y), "val": TensorDataset(X, Y)},
+                                             monkeypatch)
+    assert errors == [None, None] and gathered == [["same_samples"]] * 2
+
+
+def test_classes_numbered_otherwise_on_a_rank_are_named_with_the_sample_and_both_labels(monkeypatch):
+    """As `list(set(names))` numbers them: Python hashes strings otherwise in each process."""
+    parts = lambda rank: {"train": TensorDataset(X, (Y + rank) % 4), "val": TensorDataset(X, Y)}
+    said = _refused_alike(_checked_on_two_ranks(parts, monkeypatch)[0])
+    assert said.startswith("rank 1 made other samples than rank 0: train sample 0 differs at [1]: 1 there, 0 on "
+                           "rank 0: every rank must make the same data set, in the same order"), said
+    assert said.endswith("do not shard it in your factory")
+
+
+def test_a_split_of_a_rank_s_own_is_named_in_the_inputs(monkeypatch):
+    def parts(rank):
+        order = torch.randperm(40, generator=torch.Generator().manual_seed(rank))
+        return {"train": TensorDataset(X[order[:30]], Y[order[:30]]), "val": TensorDataset(X[order[30:]], Y[order[30:]])}
+
+    said = _refused_alike(_checked_on_two_ranks(parts, monkeypatch)[0])
+    assert said.startswith("rank 1 made other samples than rank 0: train sample 0 differs at [0]: float32 of shape "
+                           "(3,) unlike rank 0's in 3 of 3 values"), said
+
+
+class _Augmented(Dataset):
+    """Noise added on each read: from torch's generator (as torchvision's transforms draw), or from one of
+    its own seeded from the operating system."""
+
+    def __init__(self, own_generator: bool):
+        self.generator = np.random.default_rng() if own_generator else None
+
+    def __len__(self):
+        return len(X)
+
+    def __getitem__(self, index):
+        noise = torch.from_numpy(self.generator.random(3)).float() if self.generator else torch.rand(3)
+        return X[index] + noise, Y[index]
+
+
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_random_augmentation_passes_whichever_generator_it_draws_from(own_generator, monkeypatch):
+    """torch's: read with the generators seeded alike, the same on both ranks. A generator of its own: a
+    sample reads otherwise each time, and nothing can be compared."""
+    errors, gathered = _checked_on_two_ranks(lambda rank: {"train": _Augmented(own_generator)}, monkeypatch)
+    assert errors == [None, None]
+    assert gathered[0] == (["same_samples", "same_samples.rank_0", "same_samples.answers"] if own_generator
+                           else ["same_samples"])
+
+
+@pytest.mark.parametrize("steady_rank", [0, 1])
+def test_samples_one_rank_reads_otherwise_each_time_are_not_compared_with_another_s(steady_rank, monkeypatch):
+    """One rank's data set draws from a generator of its own, the other's does not: neither can be held
+    to the other's."""
+    parts = lambda rank: {"train": TensorDataset(X, Y) if rank == steady_rank else _Augmented(own_generator=True)}
+    errors, _ = _checked_on_two_ranks(parts, monkeypatch)
+    assert errors == [None, None]
+
+
+def test_floats_another_host_rounds_otherwise_pass(monkeypatch):
+    errors, _ = _checked_on_two_ranks(lambda rank: {"train": TensorDataset(X * (1 + rank * 1e-7), Y)}, monkeypatch)
+    assert errors == [None, None]
+
+
+class _Unreadable(TensorDataset):
+    def __init__(self, on_rank: int | None, rank: int):
+        super().__init__(X, Y)
+        self.broken = on_rank == rank
+
+    def __getitem__(self, index):
+        if self.broken and index == len(X) - 1:
+            raise OSError(f"/data/{index}.jpg: unexpected end of file")
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("on_rank", [0, 1])
+def test_a_sample_only_one_rank_cannot_read_names_that_rank_and_its_error(on_rank, monkeypatch):
+    said = _refused_alike(_checked_on_two_ranks(lambda rank: {"val": _Unreadable(on_rank, rank)}, monkeypatch)[0])
+    assert said == (f"rank {on_rank} could not read val sample 39 (rank {1 - on_rank} could): OSError: "
+                    "/data/39.jpg: unexpected end of file")
+
+
+def test_a_sample_no_rank_can_read_is_left_to_training(monkeypatch):
+    """Every rank alike: training meets it, and names it where it does."""
+    class Broken(TensorDataset):
+        def __getitem__(self, index):
+            raise OSError("no such file")
+
+    errors, _ = _checked_on_two_ranks(lambda rank: {"train": Broken(X, Y)}, monkeypatch)
+    assert errors == [None, None]
+
+
+def test_a_stream_is_not_read_and_the_random_states_are_put_back():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            raise AssertionError("a stream is not read")
+
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    before = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+    check_same_samples({"train": Stream(), "val": _Augmented(own_generator=False)}, LocalEngine(torch.device("cpu")))
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert np.array_equal(np.random.get_state()[1], before[1]) and random.getstate() == before[2]
