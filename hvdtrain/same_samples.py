@@ -7,8 +7,10 @@ never, validation samples are another rank's training ones, a label means anothe
 and nothing says so. Sizes alone cannot tell (`setup.check_same_data`); a few samples of each part can.
 
 They are read with the random generators seeded alike (a random transform draws the same on every
-rank) and then put back as they were. A sample that reads otherwise a second time on the same rank
-(augmentation from a generator of the data set's own) cannot be compared: the check then passes."""
+rank) and then put back as they were. What cannot be held against rank 0's passes: a sample that reads
+otherwise a second time on some rank (augmentation from a generator of the data set's own), strings (a
+path on the host's own disk), numbers within rounding (another host's CPU or image decoder), a sample no
+rank can read (training names it), and streams, whose shards are compared instead."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from hvdtrain.data.streams import StreamDataset
 from hvdtrain.errors import UserError
 
 if TYPE_CHECKING:
@@ -30,49 +33,46 @@ PROBES = 5
 """Samples read from each part, spread over it."""
 SEED = 20_251_130
 """The random generators' seed as a sample is read (plus its index): the same on every rank."""
+ROUNDING = 0.01
+"""Numbers alike within this share of the largest one of the sample's array (bf16's own rounding is 0.4%)."""
 
 
 def check_same_samples(parts: Mapping[str, Dataset | None], engine: Engine) -> None:
-    """Raises UserError on every rank where some rank's samples of a part differ from rank 0's. Collectives,
-    the same ones on every rank whatever its samples hold: reading a sample never raises here (its error
-    is what it holds)."""
-    read = {name: _read(dataset) for name, dataset in parts.items() if _indexable(dataset)}
-    digests = engine.allgather_object({name: [_digest(sample) for _, sample in samples]
-                                       for name, samples in read.items()}, "same_samples")  # dist
-    if all(theirs == digests[0] for theirs in digests):
+    """Raises UserError on every rank where some rank's part differs from rank 0's in size or in a sample.
+    Collectives, the same ones on every rank: each decision is taken from what every rank sent, and what
+    a rank does alone between them (reading, comparing) never raises."""
+    if engine.size == 1:
         return
-    # dist: every rank is here. Rank 0's samples, compared on each rank (floats within rounding: another
-    # host's CPU may round a factory's arithmetic otherwise), and whether this rank reads its own alike twice.
-    rank_0_s = engine.broadcast_object(read if engine.is_root else None, "same_samples.rank_0")
-    steady = all(_digest(again) == _digest(sample) for name, samples in read.items()
-                 for (_, sample), (_, again) in zip(samples, _read(parts[name])))
-    differs = _first_difference(rank_0_s, read) if steady else None
-    answers = engine.allgather_object((steady, differs), "same_samples.answers")
-    if not all(steady for steady, _ in answers):
-        return  # a sample reads otherwise each time: no rank's can be compared
-    rank, differs = next(((rank, differs) for rank, (_, differs) in enumerate(answers) if differs), (None, None))
-    if differs is None:
+    read = {name: _read(dataset) for name, dataset in parts.items() if _comparable(dataset)}
+    everyone = engine.allgather_object({name: (len(parts[name]), [_digest(sample) for _, sample in samples])  # type: ignore[arg-type]
+                                        for name, samples in read.items()}, "same_samples")  # dist
+    if all(theirs == everyone[0] for theirs in everyone):
         return
-    sample, unread_on, error = differs
-    if unread_on is not None:  # a file missing or broken on one host: the cause, not other samples
-        failed = rank if unread_on == "there" else 0
-        raise UserError(f"rank {failed} could not read {sample} (rank {rank if failed == 0 else 0} could): {error}")
-    raise UserError(f"rank {rank} made other samples than rank 0: {sample}: every rank must make the same data "
-                    "set, in the same order (number classes in sorted order, not a set's; list files sorted; "
-                    "seed a shuffle of your own); hvdtrain shards it by rank itself, so do not shard it in your "
-                    "factory")
+    _check_sizes(everyone)
+    steady = engine.allgather_object(_steady(read, parts), "same_samples.steady")  # dist
+    for name, position in _suspects(everyone, steady):  # the same on every rank
+        index, sample = read[name][position]
+        rank_0_s = engine.broadcast_object(sample if engine.is_root else None, "same_samples.rank_0")  # dist: one sample
+        answers = engine.allgather_object(None if engine.is_root else _compared(rank_0_s, sample),
+                                          "same_samples.answers")
+        rank, answer = next(((rank, answer) for rank, answer in enumerate(answers) if answer), (None, None))
+        if answer is not None:
+            raise _refusal(rank, f"sample {index}" if name == "all" else f"{name} sample {index}", answer)
 
 
-class Unread(str):
-    """A sample whose reading raised: the error, in words."""
-
-
-def _indexable(dataset: Any) -> bool:
-    """A map-style data set with samples (a stream's shards are compared instead)."""
+def _comparable(dataset: Any) -> bool:
+    """A map-style data set with samples, and no stream in it (a read by position walks a stream)."""
     try:
-        return dataset is not None and not isinstance(dataset, IterableDataset) and len(dataset) > 0
+        return dataset is not None and not _streamed(dataset) and len(dataset) > 0
     except TypeError:  # no len()
         return False
+
+
+def _streamed(dataset: Any) -> bool:
+    if isinstance(dataset, (StreamDataset, IterableDataset)):
+        return True
+    inner = [*getattr(dataset, "datasets", ()), *([dataset.dataset] if hasattr(dataset, "dataset") else [])]
+    return any(_streamed(each) for each in inner)  # a Subset's, a ConcatDataset's
 
 
 def _read(dataset: Dataset) -> list[tuple[int, Any]]:
@@ -91,11 +91,15 @@ def _read(dataset: Dataset) -> list[tuple[int, Any]]:
                 try:
                     samples.append((index, _plain(dataset[index])))
                 except Exception as err:  # noqa: BLE001 - what this rank holds there, compared as any sample
-                    samples.append((index, Unread(f"{type(err).__name__}: {err}")))
+                    samples.append((index, Unread(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")))
             return samples
         finally:
             np.random.set_state(numpy_state)
             random.setstate(python_state)
+
+
+class Unread(str):
+    """A sample whose reading raised: the error, in words."""
 
 
 def _plain(value: Any) -> Any:
@@ -114,6 +118,8 @@ def _plain(value: Any) -> Any:
         return {str(key): _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
+    if isinstance(value, (set, frozenset)):  # in an order of this process's string hashes
+        return sorted((_plain(item) for item in value), key=repr)
     if isinstance(value, (int, float, str, bytes, bool, type(None))):
         return value
     if hasattr(value, "__array_interface__"):  # a PIL image
@@ -126,7 +132,7 @@ def _digest(value: Any) -> str:
 
     def add(item: Any) -> None:
         if isinstance(item, np.ndarray):
-            hashed.update(f"{item.dtype.str}{item.shape}".encode())
+            hashed.update(f"{item.dtype.descr}{item.shape}".encode())
             hashed.update(np.ascontiguousarray(item).tobytes())
         elif isinstance(item, dict):
             for key in sorted(item):
@@ -137,37 +143,85 @@ def _digest(value: Any) -> str:
             for each in item:
                 add(each)
         else:
-            hashed.update(repr(item).encode())
+            hashed.update(f"{type(item).__name__}:{item!r}".encode())
 
     add(value)
     return hashed.hexdigest()
 
 
-def _first_difference(rank_0_s: dict[str, list[tuple[int, Any]]], mine: dict[str, list[tuple[int, Any]]]
-                      ) -> tuple[str, str | None, str] | None:
-    """Where this rank's samples first differ from rank 0's: (the sample and how, in words; "there" or
-    "rank 0" where one of the two could not be read, and the error); None where they are alike."""
-    for name, samples in mine.items():
-        for (index, sample), (_, theirs) in zip(samples, rank_0_s.get(name, [])):
-            named = f"sample {index}" if name == "all" else f"{name} sample {index}"  # evaluate's --split all
-            for unread, on in ((sample, "there"), (theirs, "rank 0")):
-                if isinstance(unread, Unread) and not (isinstance(sample, Unread) and isinstance(theirs, Unread)):
-                    return named, on, str(unread)
-            where = _where_unlike(theirs, sample, "")
-            if where is not None:
-                return f"{named} differs{where}", None, ""
-    return None
+def _check_sizes(everyone: list[dict[str, tuple[int, list[str]]]]) -> None:
+    sizes = [{name: size for name, (size, _) in parts.items()} for parts in everyone]
+    if any(theirs != sizes[0] for theirs in sizes):
+        listed = ", ".join(f"rank {rank}: " + " / ".join(f"{size} {name}" for name, size in held.items())
+                           for rank, held in enumerate(sizes))
+        raise UserError(f"ranks made data sets of different sizes ({listed}): every rank must make the same data "
+                        "set; hvdtrain shards it by rank itself, so do not shard it in your factory")
+
+
+def _steady(read: dict[str, list[tuple[int, Any]]], parts: Mapping[str, Any]) -> dict[str, bool]:
+    """Per part, whether every sample of it reads alike twice more on this rank. Per part, not per
+    sample: an augmentation of few outcomes (a shift of 0 or 1) often draws alike three times by chance
+    in one sample, hardly ever in all five on every rank. False where that cannot be told: nothing is
+    then compared."""
+    try:
+        return {name: all(_digest(again) == _digest(sample) for _round in range(2)
+                          for (_, sample), (_, again) in zip(samples, _read(parts[name])))
+                for name, samples in read.items()}
+    except Exception:  # noqa: BLE001 - this rank's answer must reach the others' collective
+        return {name: False for name in read}
+
+
+def _suspects(everyone: list[dict[str, tuple[int, list[str]]]], steady: list[dict[str, bool]]
+              ) -> list[tuple[str, int]]:
+    """(part, position) of each sample some rank holds otherwise than rank 0, in a part read alike twice on
+    every rank."""
+    suspects = []
+    for name, (_, root) in everyone[0].items():
+        if not all(held.get(name, False) for held in steady):
+            continue
+        for position, digest in enumerate(root):
+            if not all(len(parts.get(name, (0, []))[1]) > position and parts[name][1][position] == digest
+                       for parts in everyone):
+                suspects.append((name, position))
+    return suspects
+
+
+def _compared(rank_0_s: Any, mine: Any) -> tuple[str, str] | None:
+    """How this rank's sample differs from rank 0's: ("unread there" or "unread on rank 0", the error), or
+    ("differs", where and how); None where they are alike, or cannot be compared."""
+    try:
+        if isinstance(rank_0_s, Unread) or isinstance(mine, Unread):
+            if isinstance(rank_0_s, Unread) and isinstance(mine, Unread):
+                return None  # no rank reads it: training meets it and names it
+            return ("unread there", str(mine)) if isinstance(mine, Unread) else ("unread on rank 0", str(rank_0_s))
+        where = _where_unlike(rank_0_s, mine, "")
+        return None if where is None else ("differs", where)
+    except Exception:  # noqa: BLE001 - this rank's answer must reach the others' collective
+        return None
+
+
+def _refusal(rank: int, sample: str, answer: tuple[str, str]) -> UserError:
+    kind, said = answer
+    if kind == "unread there":  # a file missing or broken on one host: the cause, not other samples
+        return UserError(f"rank {rank} could not read {sample} (rank 0 could): {said}")
+    if kind == "unread on rank 0":
+        return UserError(f"rank 0 could not read {sample} (rank {rank} could): {said}")
+    return UserError(f"rank {rank} made other samples than rank 0: {sample} differs{said}: every rank must make the "
+                     "same data set, in the same order (number classes in sorted order, not a set's; list files "
+                     "sorted; seed a shuffle of your own); hvdtrain shards it by rank itself, so do not shard it in "
+                     "your factory")
 
 
 def _where_unlike(root: Any, mine: Any, path: str) -> str | None:
     inside = f" at {path}" if path else ""
+    if isinstance(root, str) and isinstance(mine, str):
+        return None  # a path on the host's own disk, an id, a repr: not what training reads
+    if isinstance(root, (int, float)) and isinstance(mine, (int, float)) and not isinstance(root, bool):
+        root, mine = np.asarray(root), np.asarray(mine)
     if isinstance(root, np.ndarray) and isinstance(mine, np.ndarray):
         if root.shape != mine.shape or root.dtype.kind != mine.dtype.kind:
             return f"{inside}: {_kind(mine)} there, {_kind(root)} on rank 0"
-        if root.dtype.kind in "fc":
-            if np.allclose(root, mine, rtol=1e-5, atol=1e-6, equal_nan=True):
-                return None
-        elif np.array_equal(root, mine):
+        if _alike(root, mine):
             return None
         if root.size == 1:
             return f"{inside}: {mine.item()!r} there, {root.item()!r} on rank 0"
@@ -180,11 +234,19 @@ def _where_unlike(root: Any, mine: Any, path: str) -> str | None:
     if isinstance(root, list) and isinstance(mine, list) and len(root) == len(mine):
         return next((found for i, (a, b) in enumerate(zip(root, mine))
                      if (found := _where_unlike(a, b, f"{path}[{i}]"))), None)
-    if isinstance(root, float) and isinstance(mine, float) and np.isclose(root, mine, rtol=1e-5, atol=1e-6):
-        return None
     if type(root) is type(mine) and root == mine:
         return None
     return f"{inside}: {_short(mine)} there, {_short(root)} on rank 0"
+
+
+def _alike(root: np.ndarray, mine: np.ndarray) -> bool:
+    """Equal, or numbers within ROUNDING of the array's largest; a class label (one integer) exactly."""
+    if root.dtype.kind not in "iuf" or (root.dtype.kind in "iu" and root.size == 1):
+        return bool(np.array_equal(root, mine))
+    a, b = root.astype(np.float64), mine.astype(np.float64)
+    finite = np.abs(np.concatenate([a[np.isfinite(a)], b[np.isfinite(b)]]))
+    scale = finite.max() if finite.size else 0.0
+    return bool(np.allclose(a, b, rtol=0.0, atol=ROUNDING * scale, equal_nan=True))
 
 
 def _kind(array: np.ndarray) -> str:

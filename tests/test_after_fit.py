@@ -87,6 +87,18 @@ def test_evaluate_gives_fit_s_validation_metrics_under_a_launcher(trained, launc
 
 @pytest.mark.multiprocess
 @requires_launchers
+def test_evaluate_on_data_each_rank_makes_otherwise_is_refused_in_one_line(trained, tmp_path):
+    """Each rank would count its own samples as a share of one data set, and call the sum the metrics."""
+    done = run([*MPIRUN, "hvdtrain", "evaluate", str(trained), "--data", "user_code:shuffled_by_a_generator_of_its_own",
+                "--set", "data.args.digits=true", "--output", str(tmp_path / "eval.json")], cwd=tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert output.count("hvdtrain: error: rank 1 made other samples than rank 0: sample ") == 1, output[-3000:]
+    assert not (tmp_path / "eval.json").exists()
+
+
+@pytest.mark.multiprocess
+@requires_launchers
 def test_predict_writes_the_same_file_for_one_and_two_processes(trained, tmp_path):
     def predict(prefix: list[str], path: Path) -> str:
         args = ["predict", str(trained), "--data", "digits", "--output", str(path), "--batch-size", "50"]

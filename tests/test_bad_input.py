@@ -202,7 +202,7 @@ def test_existing_run_directory_is_not_clobbered(existing_run, tmp_path, capsys)
     assert exit_info.value.code == 2
     assert "already holds a run: pass --resume to continue it, --overwrite" in capsys.readouterr().err
     assert snapshot(existing_run) == before
-    assert not (tmp_path / "cache" / "calls.log").exists()
+    assert not (tmp_path / "cache").exists()
 
 
 def test_hvdtrain_alone_shows_its_usage_not_an_error(capsys):
@@ -454,7 +454,7 @@ def test_a_second_job_in_a_running_job_s_directory_is_refused_and_the_first_fini
             assert exit_info.value.code == 2
             err = capsys.readouterr().err
             assert f"hvdtrain: error: another job is running in run directory '{run_dir}'" in err, err
-            assert not (tmp_path / "cache" / "calls.log").exists()
+            assert not (tmp_path / "cache").exists()
         out, err = first.communicate(timeout=120)
     finally:
         first.kill()

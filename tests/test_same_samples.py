@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset, TensorDataset
+from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
 from hvdtrain import same_samples
 from hvdtrain.same_samples import check_same_samples
@@ -127,8 +127,7 @@ def test_random_augmentation_passes_whichever_generator_it_draws_from(own_genera
     sample reads otherwise each time, and nothing can be compared."""
     errors, gathered = _checked_on_two_ranks(lambda rank: {"train": _Augmented(own_generator)}, monkeypatch)
     assert errors == [None, None]
-    assert gathered[0] == (["same_samples", "same_samples.rank_0", "same_samples.answers"] if own_generator
-                           else ["same_samples"])
+    assert gathered[0] == (["same_samples", "same_samples.steady"] if own_generator else ["same_samples"])
 
 
 @pytest.mark.parametrize("steady_rank", [0, 1])
@@ -173,13 +172,92 @@ def test_a_sample_no_rank_can_read_is_left_to_training(monkeypatch):
     assert errors == [None, None]
 
 
-def test_a_stream_is_not_read_and_the_random_states_are_put_back():
-    class Stream(IterableDataset):
-        def __iter__(self):
-            raise AssertionError("a stream is not read")
+def test_a_part_whose_samples_read_otherwise_each_time_leaves_the_other_part_checked(monkeypatch):
+    """Augmented training samples (a generator of the data set's own) cannot be compared; the validation
+    part still is."""
+    parts = lambda rank: {"train": _Augmented(own_generator=True), "val": TensorDataset(X, (Y + rank) % 4)}
+    said = _refused_alike(_checked_on_two_ranks(parts, monkeypatch)[0])
+    assert said.startswith("rank 1 made other samples than rank 0: val sample 0 differs at [1]: 1 there, 0 on rank 0")
 
+
+class _CountsItsReads(Dataset):
+    """Augmentation from a count of its own reads: sample 0 reads otherwise each time, and the others
+    alike, but otherwise on each rank (as a generator of few outcomes may draw them by chance)."""
+
+    def __init__(self, rank: int):
+        self.rank, self.reads = rank, 0
+
+    def __len__(self):
+        return len(X)
+
+    def __getitem__(self, index):
+        self.reads += index == 0
+        return X[index] + (self.reads if index == 0 else self.rank), Y[index]
+
+
+def test_a_part_is_compared_only_where_all_its_samples_read_alike_again(monkeypatch):
+    errors, _ = _checked_on_two_ranks(lambda rank: {"train": _CountsItsReads(rank)}, monkeypatch)
+    assert errors == [None, None]
+
+
+class _Sample(Dataset):
+    def __init__(self, sample_of_index):
+        self.sample_of_index = sample_of_index
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, index):
+        return self.sample_of_index(index)
+
+
+def _failing(message):
+    def raises(index):
+        raise OSError(message)
+    return raises
+
+
+@pytest.mark.parametrize("sample_on", [
+    # a path on the host's own disk (data.name may differ per host), a sample's id
+    lambda rank: lambda index: {"x": X[index], "path": f"/scratch/node{rank}/{index}.jpg", "id": f"{rank}-{index}"},
+    # no rank reads it, each naming its own host's file: training meets it and names it
+    lambda rank: _failing(f"/scratch/node{rank}/x.bin: unexpected end of file"),
+    lambda rank: lambda index: (X[index] * (1 + rank * 1e-7), float("nan")),  # NaN is NaN, beside rounding
+    # one bf16 step up (another host rounded its arithmetic otherwise), an image decoded by another libjpeg (one level off)
+    lambda rank: lambda index: ((X[index].bfloat16().view(torch.int16) + rank).view(torch.bfloat16), Y[index]),
+    lambda rank: lambda index: (torch.full((3, 4, 4), 100 + rank, dtype=torch.uint8), Y[index]),
+    # arrays rank 0 cannot compare with this rank's (other fields): not held against it, and no rank waits
+    lambda rank: lambda index: np.zeros(2, dtype=[(f"field{rank}", "f4")]),
+], ids=["strings", "unread-everywhere", "nan", "bf16-rounding", "decoded-otherwise", "not-comparable"])
+def test_what_cannot_be_held_against_rank_0_s_passes(sample_on, monkeypatch):
+    errors, _ = _checked_on_two_ranks(lambda rank: {"train": _Sample(sample_on(rank))}, monkeypatch)
+    assert errors == [None, None]
+
+
+def test_parts_of_other_sizes_are_named_with_each_rank_s_sizes(monkeypatch):
+    """evaluate and predict, whose parts are compared here alone (fit compares the sizes first)."""
+    said = _refused_alike(_checked_on_two_ranks(lambda rank: {"val": TensorDataset(X[rank:], Y[rank:])},
+                                                monkeypatch)[0])
+    assert said.startswith("ranks made data sets of different sizes (rank 0: 40 val, rank 1: 39 val): every rank")
+
+
+def test_a_stream_is_not_read_by_position_even_inside_another_data_set(monkeypatch):
+    """A stream's samples by position are read by walking it: its shards are compared instead."""
+    from hvdtrain.config import DataConfig
+    from hvdtrain.data.sources import build_data
+
+    split = build_data(DataConfig(name="user_code:indexed_stream"), seed=0)
+    monkeypatch.setattr(same_samples, "_read", lambda dataset: pytest.fail("a stream was read"))
+    parts = {"train": split.train, "val": Subset(split.val, [0, 1]), "all": ConcatDataset([split.train, split.val])}
+    errors, gathered = _checked_on_two_ranks(lambda rank: parts, monkeypatch)
+    assert errors == [None, None] and gathered == [["same_samples"]] * 2
+
+
+def test_the_random_states_are_put_back_and_one_process_reads_nothing():
     torch.manual_seed(3), np.random.seed(3), random.seed(3)
     before = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
-    check_same_samples({"train": Stream(), "val": _Augmented(own_generator=False)}, LocalEngine(torch.device("cpu")))
+    assert len(same_samples._read(_Augmented(own_generator=False))) == same_samples.PROBES
     assert torch.equal(torch.get_rng_state(), before[0])
     assert np.array_equal(np.random.get_state()[1], before[1]) and random.getstate() == before[2]
+    check_same_samples({"train": _Sample(lambda index: pytest.fail("one process read a sample"))},
+                       LocalEngine(torch.device("cpu")))

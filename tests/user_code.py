@@ -133,12 +133,19 @@ def split_by_the_global_generators():
     return train, val
 
 
-def shuffled_by_a_generator_of_its_own():
-    """Samples in an order drawn from a generator seeded by the operating system: another on each rank."""
+def shuffled_by_a_generator_of_its_own(digits=False):
+    """Samples in an order drawn from a generator seeded by the operating system: another on each rank.
+    Blobs, or with `digits` scikit-learn's digits as the built-in `digits` holds them (for its model)."""
     import numpy as np
     from torch.utils.data import Subset
 
     data = Blobs()
+    if digits:
+        from hvdtrain.config import DataConfig
+        from hvdtrain.data.sources import build_part
+
+        data = build_part(DataConfig(name="digits"), 0, "labels", "all")
+        data.classes = [str(digit) for digit in range(10)]
     shuffled = Subset(data, np.random.default_rng().permutation(len(data)).tolist())
     shuffled.classes = data.classes
     return shuffled
