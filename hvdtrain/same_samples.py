@@ -43,13 +43,18 @@ def check_same_samples(parts: Mapping[str, Dataset | None], engine: Engine) -> N
     a rank does alone between them (reading, comparing) never raises."""
     if engine.size == 1:
         return
-    read = {name: _read(dataset) for name, dataset in parts.items() if _comparable(dataset)}
-    everyone = engine.allgather_object({name: (len(parts[name]), [_digest(sample) for _, sample in samples])  # type: ignore[arg-type]
-                                        for name, samples in read.items()}, "same_samples")  # dist
-    if all(theirs == everyone[0] for theirs in everyone):
+    try:
+        read = {name: _read(dataset) for name, dataset in parts.items() if _comparable(dataset)}
+        mine = {name: (len(parts[name]), [_digest(sample) for _, sample in samples])  # type: ignore[arg-type]
+                for name, samples in read.items()}
+    except Exception:  # noqa: BLE001 - this rank cannot tell: no rank checks, and none is left waiting
+        read, mine = {}, None
+    everyone = engine.allgather_object(mine, "same_samples")  # dist
+    if None in everyone or all(theirs == everyone[0] for theirs in everyone):
         return
     _check_sizes(everyone)
-    steady = engine.allgather_object(_steady(read, parts), "same_samples.steady")  # dist
+    unlike = [name for name in everyone[0] if any(theirs.get(name) != everyone[0][name] for theirs in everyone)]
+    steady = engine.allgather_object(_steady({name: read[name] for name in unlike}, parts), "same_samples.steady")
     for name, position in _suspects(everyone, steady):  # the same on every rank
         index, sample = read[name][position]
         rank_0_s = engine.broadcast_object(sample if engine.is_root else None, "same_samples.rank_0")  # dist: one sample
@@ -91,7 +96,7 @@ def _read(dataset: Dataset) -> list[tuple[int, Any]]:
                 try:
                     samples.append((index, _plain(dataset[index])))
                 except Exception as err:  # noqa: BLE001 - what this rank holds there, compared as any sample
-                    samples.append((index, Unread(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")))
+                    samples.append((index, Unread(_said(err))))
             return samples
         finally:
             np.random.set_state(numpy_state)
@@ -100,6 +105,19 @@ def _read(dataset: Dataset) -> list[tuple[int, Any]]:
 
 class Unread(str):
     """A sample whose reading raised: the error, in words."""
+
+
+def _said(err: Exception) -> str:
+    try:
+        lines = str(err).splitlines()
+    except Exception:  # noqa: BLE001 - an exception whose text cannot be made
+        lines = []
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+TEXT = "<text>"
+"""What a string (or an object's repr) is compared as: any text is alike, so its content neither counts
+against a rank nor makes a sample read otherwise (an id, a time, a path on the host's own disk)."""
 
 
 def _plain(value: Any) -> Any:
@@ -113,18 +131,28 @@ def _plain(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return value if value.dtype != object else [_plain(item) for item in value.tolist()]
     if isinstance(value, np.generic):
-        return value.item()
+        return _plain(value.item())
     if isinstance(value, Mapping):
-        return {str(key): _plain(item) for key, item in value.items()}
+        return {_key(key): _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
     if isinstance(value, (set, frozenset)):  # in an order of this process's string hashes
         return sorted((_plain(item) for item in value), key=repr)
-    if isinstance(value, (int, float, str, bytes, bool, type(None))):
+    if isinstance(value, bool) or value is None:
         return value
+    if isinstance(value, int):  # its own type: a subclass might not pickle on the way to the others
+        return int(value) if abs(value) < 2**63 else TEXT
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, bytes):
+        return bytes(value)
     if hasattr(value, "__array_interface__"):  # a PIL image
         return np.asarray(value)
-    return repr(value)
+    return TEXT  # a string, or an object known by its repr
+
+
+def _key(key: Any) -> str:
+    return repr(key) if isinstance(key, (str, int, float, bool, type(None))) else f"<{type(key).__name__}>"
 
 
 def _digest(value: Any) -> str:
@@ -215,7 +243,7 @@ def _refusal(rank: int, sample: str, answer: tuple[str, str]) -> UserError:
 def _where_unlike(root: Any, mine: Any, path: str) -> str | None:
     inside = f" at {path}" if path else ""
     if isinstance(root, str) and isinstance(mine, str):
-        return None  # a path on the host's own disk, an id, a repr: not what training reads
+        return None  # TEXT: a path on the host's own disk, an id, a repr: not what training reads
     if isinstance(root, (int, float)) and isinstance(mine, (int, float)) and not isinstance(root, bool):
         root, mine = np.asarray(root), np.asarray(mine)
     if isinstance(root, np.ndarray) and isinstance(mine, np.ndarray):
@@ -240,8 +268,9 @@ def _where_unlike(root: Any, mine: Any, path: str) -> str | None:
 
 
 def _alike(root: np.ndarray, mine: np.ndarray) -> bool:
-    """Equal, or numbers within ROUNDING of the array's largest; a class label (one integer) exactly."""
-    if root.dtype.kind not in "iuf" or (root.dtype.kind in "iu" and root.size == 1):
+    """Equal; floats and 8-bit pixels (another image decoder) within ROUNDING of the array's largest.
+    Other integers (labels, token ids) exactly."""
+    if not (root.dtype.kind == "f" or (root.dtype.kind == "u" and root.dtype.itemsize == 1 and root.size > 1)):
         return bool(np.array_equal(root, mine))
     a, b = root.astype(np.float64), mine.astype(np.float64)
     finite = np.abs(np.concatenate([a[np.isfinite(a)], b[np.isfinite(b)]]))

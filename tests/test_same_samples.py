@@ -234,6 +234,40 @@ def test_what_cannot_be_held_against_rank_0_s_passes(sample_on, monkeypatch):
     assert errors == [None, None]
 
 
+def test_an_id_that_changes_on_every_read_hides_no_other_samples(monkeypatch):
+    """Text is compared as text whatever it says: a fresh id in each sample neither counts against a rank
+    nor makes its samples read otherwise (which would leave them uncompared)."""
+    import uuid
+
+    sample_on = lambda rank: lambda index: (X[(index + rank) % len(X)], Y[(index + rank) % len(X)], str(uuid.uuid4()))
+    said = _refused_alike(_checked_on_two_ranks(lambda rank: {"train": _Sample(sample_on(rank))}, monkeypatch)[0])
+    assert said.startswith("rank 1 made other samples than rank 0: train sample 0 differs at [0]:"), said
+
+
+def test_token_ids_are_compared_exactly(monkeypatch):
+    sample_on = lambda rank: lambda index: torch.tensor([2088 + 3 * rank, 5, 7])
+    said = _refused_alike(_checked_on_two_ranks(lambda rank: {"train": _Sample(sample_on(rank))}, monkeypatch)[0])
+    assert "train sample 0 differs: int64 of shape (3,) unlike rank 0's in 1 of 3 values" in said, said
+
+
+class _Unsayable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+@pytest.mark.parametrize("sample_on, said", [
+    (lambda rank: lambda index: (X[index], 10**5000), None),  # its decimal text is over Python's limit: it raised
+    (lambda rank: _failing("x") if rank == 0 else lambda index: (X[index], Y[index]), "rank 0 could not read train "
+     "sample 0 (rank 1 could): OSError: x"),
+    (lambda rank: (lambda index: (_ for _ in ()).throw(_Unsayable())) if rank else lambda index: (X[index], Y[index]),
+     "rank 1 could not read train sample 0 (rank 0 could): _Unsayable"),
+], ids=["huge-int", "unread-on-rank-0", "error-without-text"])
+def test_odd_samples_end_alike_on_both_ranks(sample_on, said, monkeypatch):
+    errors, gathered = _checked_on_two_ranks(lambda rank: {"train": _Sample(sample_on(rank))}, monkeypatch)
+    assert gathered[0] == gathered[1]  # the same collectives: neither rank left the other waiting
+    assert (errors == [None, None]) if said is None else _refused_alike(errors) == said
+
+
 def test_parts_of_other_sizes_are_named_with_each_rank_s_sizes(monkeypatch):
     """evaluate and predict, whose parts are compared here alone (fit compares the sizes first)."""
     said = _refused_alike(_checked_on_two_ranks(lambda rank: {"val": TensorDataset(X[rank:], Y[rank:])},
