@@ -511,12 +511,14 @@ def test_ctrl_c_in_a_terminal_stops_every_rank_with_a_checkpoint_however_long_it
         _kill(left)
     assert job.returncode == 75, output[-3000:]
     assert not left, [p.pid for p in left]  # every rank, mpirun and the launcher gone
-    # At the step after the signal reached the ranks through the launcher: the fifth or a little later.
-    stopped = re.findall(r"hvdtrain: stopped by SIGINT at epoch 1, step (\d+): checkpoint written", output)
-    assert len(stopped) == 1 and int(stopped[0]) >= 5, output[-3000:]
-    # Said at once, before the checkpoint's seconds: the key was heard, and what a second press costs.
-    heard = output.find(f"hvdtrain: SIGINT: every rank stops at epoch 1, step {stopped[0]}, writing a checkpoint first")
-    assert -1 < heard < output.find("hvdtrain: stopped by SIGINT"), output[-3000:]
+    # At the step after the signal reached the ranks through the launcher: the fifth or a little later, or
+    # on a loaded machine (its forwarding slow, the epoch's 12 steps quick) at the epoch's end.
+    stopped = re.findall(r"hvdtrain: stopped by SIGINT at (the end of )?epoch 1, step (\d+): checkpoint written", output)
+    assert len(stopped) == 1 and int(stopped[0][1]) >= 5, output[-3000:]
+    if not stopped[0][0]:  # said at once, before the checkpoint's seconds: the key was heard, and what a second press costs
+        heard = output.find(f"hvdtrain: SIGINT: every rank stops at epoch 1, step {stopped[0][1]}, writing a checkpoint "
+                            "first")
+        assert -1 < heard < output.find("hvdtrain: stopped by SIGINT"), output[-3000:]
     assert "Traceback" not in output and "failure" not in output, output[-3000:]
     assert not (run_dir / "where.json").exists()  # rank 0 ended its own way
     resumed = fit(launcher, run_dir, "--resume")

@@ -1226,8 +1226,11 @@ def stuck_reading_on_rank_1():
 
 
 def stuck_before_evaluation_on_rank_1():
-    """Rank 1's validation data hangs at its first sample: rank 1 never reaches evaluation's allreduce."""
-    return Blobs(240), _HeldOnRank1(60, stuck_at=1)
+    """Rank 1's validation data hangs at its first sample in evaluation, after the samples set-up compares
+    (hvdtrain.same_samples): rank 1 never reaches evaluation's allreduce."""
+    from hvdtrain.same_samples import PROBES
+
+    return Blobs(240), _HeldOnRank1(60, stuck_at=PROBES + 1)
 
 
 def slow_reading_on_rank_1():
