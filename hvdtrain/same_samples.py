@@ -242,8 +242,6 @@ def _refusal(rank: int, sample: str, answer: tuple[str, str]) -> UserError:
 
 def _where_unlike(root: Any, mine: Any, path: str) -> str | None:
     inside = f" at {path}" if path else ""
-    if isinstance(root, str) and isinstance(mine, str):
-        return None  # TEXT: a path on the host's own disk, an id, a repr: not what training reads
     if isinstance(root, (int, float)) and isinstance(mine, (int, float)) and not isinstance(root, bool):
         root, mine = np.asarray(root), np.asarray(mine)
     if isinstance(root, np.ndarray) and isinstance(mine, np.ndarray):
