@@ -205,6 +205,34 @@ def test_a_script_stopped_through_the_launcher_is_a_stop_not_a_failure(launcher,
 
 
 @requires_launchers
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "torchrun"])
+def test_a_worker_the_launcher_had_to_kill_after_another_failed_is_not_named_as_the_failure(launcher, tmp_path):
+    """Rank 0 fails; rank 1 outlives the launcher's SIGTERM (on a loaded machine, still shutting its engine
+    down) and is killed 5 s later. Horovod's launcher counted that SIGKILL as a failure before rank 0's."""
+    from conftest import LAUNCHERS
+
+    script = tmp_path / "fail.py"
+    script.write_text("import os, pathlib, signal, sys, time\n"
+                      "rank = os.environ.get('HOROVOD_RANK', os.environ.get('RANK'))\n"
+                      "if rank == '0':\n"
+                      "    while not pathlib.Path(sys.argv[1], 'deaf').exists():\n"
+                      "        time.sleep(0.05)\n"
+                      "    sys.exit(2)\n"
+                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "pathlib.Path(sys.argv[1], 'deaf').touch()\n"
+                      "time.sleep(60)\n")
+    prefix = LAUNCHERS[launcher] if launcher == "torchrun" else [*LAUNCHERS[launcher], sys.executable]
+    done = subprocess.run([*prefix, str(script), str(tmp_path)], env=launch_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=60)
+    name = launcher.split("-")[0]
+    worker = "worker rank" if name == "torchrun" else "worker"
+    assert done.returncode == 2, done.stdout[-3000:]
+    assert done.stdout.rstrip().splitlines()[-1] == f"{name}: {worker} 0 exited with status 2; the other workers " \
+                                                    "were stopped", done.stdout[-3000:]
+    assert "SIGKILL" not in done.stdout and done.stdout.count(f"{name}: ") == 1, done.stdout[-3000:]
+
+
+@requires_launchers
 def test_horovodrun_s_check_build_read_by_a_reader_that_leaves_at_once_is_no_traceback():
     """`horovodrun --check-build | head -1` (or `| true`): Horovod's print raised BrokenPipeError's traceback."""
     read, write = os.pipe()

@@ -35,6 +35,9 @@ from hvdtrain.errors import UserError
 FAILED_JOB_GRACE_SECONDS = 5
 # After a rank stopped on a signal, how long the others have to finish their own way out of the stop.
 STOPPED_GRACE_SECONDS = 30.0
+# A worker's status through `sh` when Horovod's launcher ends it: SIGTERM, and SIGKILL 5 s later.
+ENDED_BY_SIGTERM, KILLED = 128 + signal.SIGTERM, 128 + signal.SIGKILL
+_KILLED_BY_THE_AGENT: set[int] = set()  # torchrun: the workers' pids its agent killed past the grace
 
 
 def horovodrun() -> None:
@@ -185,6 +188,10 @@ class _StoppedIsNoFailure:
         if code != STOPPED and self.grace_over.is_set():  # ended by the grace's end, after the others' stop
             self.ended_late.add(-1 if index is None else index)
             return 0
+        if code == KILLED and any(event.is_set() for event in events or []):
+            # Horovod ended it after another worker failed, and it outlived the SIGTERM (5 s, then SIGKILL):
+            # the launcher's end, as a SIGTERM would have been, not a failure before the other's.
+            return ENDED_BY_SIGTERM
         if code != STOPPED:
             return code
         if not self.stopped:
@@ -310,7 +317,11 @@ def _grace_after_a_failure(args) -> None:
     close = PContext.close
 
     def close_within_grace(context: PContext, death_sig: signal.Signals | None = None, timeout: int = chosen) -> None:
+        handlers = getattr(context, "subprocess_handlers", None) or {}
+        running = [handler.proc for handler in handlers.values() if handler.proc.poll() is None]
         close(context, death_sig, chosen)
+        # One that outlived the grace was killed here (SIGKILL): the agent's end, not a failure of its own.
+        _KILLED_BY_THE_AGENT.update(proc.pid for proc in running if proc.returncode == -signal.SIGKILL)
 
     PContext.close = close_within_grace
 
@@ -336,9 +347,10 @@ def _no_restart_that_changes_nothing() -> None:
 
 
 def torchrun_outcome(failures: dict[int, object]) -> tuple[int, str | None]:
-    """torchrun's exit status and its line, from its failed workers' records by rank (`outcome`)."""
-    return outcome({rank: (failure.exitcode, failure.timestamp) for rank, failure in failures.items()},  # type: ignore[attr-defined]
-                   "worker rank")
+    """torchrun's exit status and its line, from its failed workers' records by rank (`outcome`); a worker
+    the agent had to kill as it ended the others counts as ended by its SIGTERM."""
+    return outcome({rank: (-signal.SIGTERM if failure.pid in _KILLED_BY_THE_AGENT else failure.exitcode,  # type: ignore[attr-defined]
+                           failure.timestamp) for rank, failure in failures.items()}, "worker rank")  # type: ignore[attr-defined]
 
 
 def _program_index(argv: list[str]) -> int:
