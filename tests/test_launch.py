@@ -318,10 +318,10 @@ def test_a_peer_s_report_that_another_went_away_waits_for_the_failed_worker_s_ow
     whose peer was killed: held back, and said only where no worker failed of itself."""
     import io
 
-    from hvdtrain.cli.launchers import _PeerGoneHeldBack
+    from hvdtrain.cli.gloo_workers import PeerGoneHeldBack
 
     stream = io.StringIO()
-    output = _PeerGoneHeldBack(stream)
+    output = PeerGoneHeldBack(stream)
     peer_gone = ("[0]<stderr>:[2026-01-01 00:00:00.000000: E /tmp/pip-wheel-x/horovod/common/operations.cc:697] "
                  "[0]: Horovod background loop uncaught exception: [/tmp/pip-wheel-x/third_party/gloo/gloo/"
                  "transport/tcp/pair.cc:589] Read error [127.0.0.1]:18870: Connection reset by peer\n")

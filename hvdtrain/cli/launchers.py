@@ -26,6 +26,7 @@ from typing import Any
 
 from hvdtrain.cli import elastic_launch, forwarding
 from hvdtrain.cli.forwarding import forward_to_ranks
+from hvdtrain.cli.gloo_workers import STOPPED_GRACE_SECONDS, GlooWorkers
 from hvdtrain.cli.launcher_arguments import check_torchrun_sizes, checked, refuse, said
 from hvdtrain.cli.leaving import leave_without_teardown
 from hvdtrain.cli.mpirun_child import MpirunAsChild
@@ -33,10 +34,6 @@ from hvdtrain.cli.outcome import ANOTHER_RANK_FAILED, STOPPED, outcome
 from hvdtrain.errors import UserError
 
 FAILED_JOB_GRACE_SECONDS = 5
-# After a rank stopped on a signal, how long the others have to finish their own way out of the stop.
-STOPPED_GRACE_SECONDS = 30.0
-# A worker's status through `sh` when Horovod's launcher ends it: SIGTERM, and SIGKILL 5 s later.
-ENDED_BY_SIGTERM, KILLED = 128 + signal.SIGTERM, 128 + signal.SIGKILL
 _KILLED_BY_THE_AGENT: set[int] = set()  # torchrun: the workers' pids its agent killed past the grace
 
 
@@ -75,7 +72,7 @@ def _horovodrun() -> None:
     gloo_run.register_shutdown_event = threading.Event
     elastic_launch.prepare(launch, gloo_run)
     launch.parse_args = checked(launch.parse_args)
-    workers = _GlooWorkers(gloo_run)
+    workers = GlooWorkers(gloo_run)
     try:
         code = launch.run_commandline()
     except (ValueError, OSError) as err:  # the runner refusing its own arguments: -H, -np against the slots, a hostfile
@@ -106,134 +103,6 @@ def _horovodrun() -> None:
         print(f"horovodrun: worker {', '.join(map(str, sorted(workers.commands.ended_late)))} had not ended "
               f"{STOPPED_GRACE_SECONDS:.0f} s after the others stopped, and was ended", file=sys.stderr, flush=True)
     sys.exit(STOPPED if workers.stopped else code)
-
-
-class _GlooWorkers:
-    """Horovod's Gloo launcher, watched: every worker's (exit code, time), which it collects but reports
-    only the first to exit of; the workers' stderr, less a peer's report that another went away and
-    the shells' word of the workers it ended."""
-
-    def __init__(self, gloo_run) -> None:
-        from horovod.runner.util import threads
-
-        self.threads = threads
-        self.exits: dict[int, tuple[int, float]] = {}  # by rank, once all have ended
-        self.output = _PeerGoneHeldBack(sys.stderr)
-        self.commands = _StoppedIsNoFailure(gloo_run)
-        gloo_run.threads = self  # launch_gloo's one call, below
-
-    @property
-    def stopped(self) -> bool:
-        return bool(self.commands.stopped)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.threads, name)
-
-    def execute_function_multithreaded(self, *args: object, **kwargs: object) -> dict:
-        sys.stderr = self.output  # where Horovod forwards each worker's stderr, looked up as they start
-        try:
-            results = self.threads.execute_function_multithreaded(*args, **kwargs)
-        finally:
-            sys.stderr = self.output.stream
-        self.exits.update(results)
-        for rank in self.commands.stopped & set(self.exits):
-            self.exits[rank] = (STOPPED, self.exits[rank][1])
-        return results
-
-
-HOROVOD_EXIT_REPORT = re.compile(r"Process \d+ exit with status code -?\d+\.|Terminating remaining workers after "
-                                 r"failure of Process \d+\.")
-
-
-class _StoppedIsNoFailure:
-    """Horovod's Gloo launcher runs each worker's command through this (`safe_shell_exec.execute`): a
-    worker that stopped on a signal (75) is no failure to it. Horovod would say "Terminating remaining
-    workers after failure" and kill the others while they left the same stop their own way (rank 0,
-    still removing its files, died of it under Ctrl-C): they get STOPPED_GRACE_SECONDS to end. Not under
-    the elastic driver, which counts a worker's exit its own way."""
-
-    def __init__(self, gloo_run) -> None:
-        from horovod.runner.common.util import safe_shell_exec
-
-        self.shell = safe_shell_exec
-        self.stopped: set[int] = set()  # the ranks that exited with STOPPED
-        self.ended_late: set[int] = set()  # the ranks still running STOPPED_GRACE_SECONDS after that, ended
-        self.grace_over = threading.Event()
-        self.elastic = False
-        gloo_run.safe_shell_exec = self
-        exec_command_fn = gloo_run._exec_command_fn
-
-        def watched(settings: Any) -> Any:
-            self.elastic = bool(settings.elastic)
-            return exec_command_fn(settings)
-
-        gloo_run._exec_command_fn = watched
-        gloo_run.print = self.print
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """Horovod's prints, less its report of each worker's exit ("Process 1 exit with status code 143.",
-        which read as a second failure for a worker it ended itself): the entry's one line says which failed."""
-        if self.elastic or not (len(args) == 1 and HOROVOD_EXIT_REPORT.fullmatch(str(args[0]))):
-            print(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.shell, name)
-
-    def execute(self, command: str, *args: Any, index: int | None = None, events: list | None = None,
-                **kwargs: Any) -> int:
-        forwarding.launch_begins()  # a worker: the job itself starts
-        if self.elastic:
-            return self.shell.execute(command, *args, index=index, events=events, **kwargs)
-        code = self.shell.execute(command, *args, index=index, events=[*(events or []), self.grace_over], **kwargs)
-        if code != STOPPED and self.grace_over.is_set():  # ended by the grace's end, after the others' stop
-            self.ended_late.add(-1 if index is None else index)
-            return 0
-        if code == KILLED and any(event.is_set() for event in events or []):
-            # Horovod ended it after another worker failed, and it outlived the SIGTERM (5 s, then SIGKILL):
-            # the launcher's end, as a SIGTERM would have been, not a failure before the other's.
-            return ENDED_BY_SIGTERM
-        if code != STOPPED:
-            return code
-        if not self.stopped:
-            timer = threading.Timer(STOPPED_GRACE_SECONDS, self.grace_over.set)
-            timer.daemon = True
-            timer.start()
-        self.stopped.add(-1 if index is None else index)
-        return 0  # to Horovod; to the entry, STOPPED (`_GlooWorkers.exits`)
-
-
-class _PeerGoneHeldBack:
-    """A text stream that holds back the line Horovod's background thread prints when a peer went away
-    (an error, with Horovod's and Gloo's build paths, from a rank that did not fail): the failed
-    worker's own end explains it. `release` says it after all where no worker failed of itself. A
-    worker's shell saying it was ended ("Terminated") is dropped: the entry's line says so."""
-
-    PEER_GONE = re.compile(r"Horovod background loop uncaught exception: .*(reset by peer|closed by peer|Read error"
-                           r"|Broken pipe)")
-    # A worker's shell saying that Horovod ended it, after another failed (or ended late after a stop).
-    ENDED_BY_LAUNCHER = re.compile(r".*\[\d+\]<stderr>:(Terminated|Killed)\s*")
-
-    def __init__(self, stream) -> None:
-        self.stream, self.held = stream, []
-
-    def write(self, text: str) -> int:
-        if self.ENDED_BY_LAUNCHER.fullmatch(text):
-            return len(text)
-        if self.PEER_GONE.search(text):
-            self.held.append(text)
-            return len(text)
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def release(self) -> None:
-        self.stream.write("".join(self.held))
-        self.stream.flush()
-        self.held = []
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.stream, name)
 
 
 def torchrun() -> None:
