@@ -420,6 +420,18 @@ def test_plan_alone_for_several_processes(capsys):
     assert "Adasum: not scaled" in out and out.count("  rank ") == 4
 
 
+def test_plan_counts_lazy_layers_as_fit_makes_them(tmp_path):
+    """A LazyLinear's weights exist after a first forward only: plan counted them with a traceback."""
+    from user_code import OddLayers
+
+    main(["plan", "--data", "random", "--set", "data.features=12", "--model", "user_code:odd_layers",
+          "--json", str(tmp_path / "plan.json")])
+    built = OddLayers((12,), 10)
+    built(torch.zeros(2, 12))
+    held = json.loads((tmp_path / "plan.json").read_text())["memory"][0]["parameters"]
+    assert held == sum(p.numel() * p.element_size() for p in built.parameters()) == 2664
+
+
 # --- bad input ------------------------------------------------------------------------------
 
 

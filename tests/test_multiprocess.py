@@ -117,6 +117,30 @@ def test_the_torch_engine_ends_with_horovod_s_weights(launcher, digits_np2, tmp_
     assert_same_weights(final_weights(run_dir), final_weights(horovod_dir), atol=1e-5)
 
 
+def test_lazy_bool_bf16_and_complex_layers_train_alike_on_both_engines_and_evaluate_on_several_ranks(tmp_path):
+    """A LazyLinear has no weights until its first forward; Horovod broadcasts no bool or bf16 tensor and
+    sums, reduce-scatters or gathers no complex or bf16 gradient: each was a traceback from every rank. Now
+    both engines end with the same weights, bit for bit, sharded or not, and the lazy layer's run evaluates
+    under mpirun as fit measured it."""
+    args = ["hvdtrain", "fit", "--progress", "off", *RANDOM, "--model", "user_code:odd_layers", "--epochs", "2"]
+    runs = {("horovodrun-gloo", ""): tmp_path / "horovod", ("torchrun", ""): tmp_path / "torch",
+            ("horovodrun-gloo", "--shard-optimizer"): tmp_path / "sharded"}
+    for (launcher, option), run_dir in runs.items():
+        assert_ok(run([*LAUNCHERS[launcher], *args, "--run-dir", str(run_dir), *option.split()], cwd=tmp_path))
+    horovod, *others = (final_weights(run_dir) for run_dir in runs.values())
+    assert {name: t.dtype for name, t in horovod.items() if t.dtype != torch.float32} == {
+        "mask": torch.bool, "scale": torch.bfloat16, "spectrum": torch.complex64, "in_bf16.weight": torch.bfloat16,
+        "in_bf16.bias": torch.bfloat16}
+    for other in others:
+        assert all(torch.equal(horovod[name], other[name]) for name in horovod), \
+            [name for name in horovod if not torch.equal(horovod[name], other[name])]
+    done = run([*LAUNCHERS["mpirun"], "hvdtrain", "evaluate", str(tmp_path / "horovod"), "--checkpoint", "last"],
+               cwd=tmp_path)
+    assert_ok(done)
+    fit_loss = epoch_records(tmp_path / "horovod")[-1]["val_loss"]
+    assert "world size 2: acc " in done.stdout and f"loss {fit_loss:.4f}" in done.stdout, done.stdout[-3000:]
+
+
 def _without_a_launcher(args: list[str], cwd) -> tuple[list[int], list[str]]:
     """`hvdtrain fit --progress off *args` in two processes given torch's env:// variables, as a PyTorchJob's
     pods get them: each one's exit status and output."""

@@ -1294,3 +1294,29 @@ def token_bags():
     generator = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, 500, (360, 8), generator=generator)
     return _tensor_split(tokens, tokens[:, 0] % 4)
+
+
+class OddLayers(nn.Module):
+    """What Horovod's collectives refuse as they are, and lazy layers: a LazyLinear (no weights until the
+    first forward), a bool mask buffer, a bf16 buffer, a layer kept in bf16 and a complex weight (a
+    spectral layer, as a Fourier neural operator has)."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        features = input_shape[-1]
+        self.register_buffer("mask", torch.arange(features) % 5 != 4)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, features).to(torch.bfloat16))
+        self.spectrum = nn.Parameter(torch.randn(features, dtype=torch.cfloat) * 0.1 + 1)
+        self.in_bf16 = nn.Linear(features, 16).to(torch.bfloat16)
+        self.lazy = nn.LazyLinear(16)
+        self.head = nn.Linear(32, num_classes)
+
+    def forward(self, x):
+        x = x * self.mask * self.scale.float()
+        x = torch.fft.ifft(torch.fft.fft(x) * self.spectrum).real
+        half = torch.relu(self.in_bf16(x.to(torch.bfloat16))).float()
+        return self.head(torch.cat([half, torch.relu(self.lazy(x))], dim=1))
+
+
+def odd_layers(input_shape, num_classes):
+    return OddLayers(input_shape, num_classes)

@@ -25,6 +25,7 @@ from hvdtrain.errors import UserError, message_lines
 from hvdtrain.model_layout import check_same_model
 from hvdtrain.models import ModelShapes, load_weights, unwrapped
 from hvdtrain.tasks import Task, build_task
+from hvdtrain.train.lazy_modules import has_lazy_layers
 
 
 @dataclass
@@ -57,6 +58,13 @@ def open_run(engine: Engine, run_dir: str | Path, which: str = "best",
         if state is not None:
             _load_weights(model, state["model"], meta["path"])
         model = model.to(engine.device).eval()
+        lazy = has_lazy_layers(model) and not engine.is_root
+    if engine.allgather_object(lazy, "lazy_layers")[1:] != [False] * (engine.size - 1):
+        # dist: lazy layers (nn.LazyLinear) got their shapes from the checkpoint's weights, on rank 0 alone
+        shapes_of = engine.broadcast_object({name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+                                            if engine.is_root else None, "lazy_layer_shapes")
+        if lazy:
+            model.load_state_dict({name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in shapes_of.items()})
     check_same_model(model, engine)  # dist: a factory may build another model on some rank
     engine.broadcast_parameters(model)  # dist: every rank holds rank 0's weights
     return SavedRun(run_dir, Path(meta["path"]), config, meta["epoch"], shapes, task, model)

@@ -14,6 +14,7 @@ from hvdtrain.engine.base import ElasticState, GradientSync, T, model_tensors
 from hvdtrain.engine.buckets import host_values
 from hvdtrain.engine.horovod_start import MPI_SETTINGS, mpi_controls, set_ours, start_mpi
 from hvdtrain.engine.horovod_wait import wait_politely_in
+from hvdtrain.engine.horovod_wire import OnTheWire, broadcastable, copyable, summable
 from hvdtrain.engine.watched import WatchedEngine
 from hvdtrain.errors import UserError
 from hvdtrain.engine.activity import SET_UP_SECONDS, Activity
@@ -119,7 +120,7 @@ class HorovodEngine(WatchedEngine):
         return hvd.DistributedOptimizer(
             optimizer,
             named_parameters=model.named_parameters(),
-            compression=_Contiguous(compression),
+            compression=OnTheWire(compression),
             backward_passes_per_step=sync.accumulate,
             op=hvd.Adasum if sync.adasum else hvd.Average,
             # dist: fp16 on the wire divides by the world size before the sum, not after it: a sum of
@@ -154,7 +155,7 @@ class HorovodEngine(WatchedEngine):
     def _broadcast_parameters(self, model: torch.nn.Module) -> None:
         # Horovod sends contiguous tensors only; a channels-last model's 4-D weights are not: each of those
         # goes on its own, as a contiguous copy (one at a time, not a second copy of the model).
-        state = model_tensors(model)
+        state = {name: broadcastable(tensor) for name, tensor in model_tensors(model).items()}
         hvd.broadcast_parameters({name: t for name, t in state.items() if t.is_contiguous()}, root_rank=0)
         for name, tensor in state.items():
             if not tensor.is_contiguous():
@@ -217,28 +218,6 @@ class HorovodEngine(WatchedEngine):
             _ours_running = False
 
 
-class _Contiguous:
-    """A Horovod compression that sends a contiguous copy of a tensor that is not (a channels-last model's
-    4-D gradients): Horovod's collectives refuse any other. The result comes back in the tensor's own
-    memory layout, which Horovod then makes the gradient's: a fused optimizer needs it to match the
-    parameter's."""
-
-    def __init__(self, compression: Any):
-        self.compression = compression
-
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        if tensor.is_contiguous():  # Horovod's in-place allreduce, as without this wrapper
-            compressed, ctx = self.compression.compress(tensor)
-            return compressed, (ctx, None)
-        compressed, ctx = self.compression.compress(tensor.contiguous())
-        return compressed, (ctx, tensor)
-
-    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        inner, original = ctx
-        result = self.compression.decompress(tensor, inner)
-        return result if original is None else torch.empty_like(original).copy_(result)
-
-
 class _HorovodSegments:
     """Collectives over equal segments on Horovod (MPI, Gloo or NCCL): Horovod's split of the first
     dimension is the partition's."""
@@ -246,18 +225,23 @@ class _HorovodSegments:
     def __init__(self, engine: HorovodEngine):
         self.rank, self.size, self.allreduce_sum = engine.rank, engine.size, engine.allreduce_sum
 
+    # Each handle comes with what makes its result the tensor's dtype again (horovod_wire: bf16, complex).
     def reduce_scatter(self, flat: torch.Tensor, name: str) -> Any:
-        return hvd.reducescatter_async(flat, name=name, op=hvd.Sum)
+        sent, back = summable(flat)
+        return hvd.reducescatter_async(sent, name=name, op=hvd.Sum), back
 
     def all_gather(self, segment: torch.Tensor, name: str) -> Any:
-        return hvd.allgather_async(segment, name=name)
+        sent, back = copyable(segment)
+        return hvd.allgather_async(sent, name=name), back
 
     def all_to_all(self, flat: torch.Tensor, name: str) -> Any:
-        return hvd.alltoall_async(flat, name=name)
+        sent, back = copyable(flat)
+        return hvd.alltoall_async(sent, name=name), back
 
     def wait(self, handle: Any) -> torch.Tensor:
+        handle, back = handle
         result = hvd.synchronize(handle)
-        return result[0] if isinstance(result, tuple) else result  # an all-to-all's: (received, splits)
+        return back(result[0] if isinstance(result, tuple) else result)  # an all-to-all's: (received, splits)
 
 
 class _ElasticState(ObjectState):

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from hvdtrain.config import Config
+from hvdtrain.data.loading import collate_function
 from hvdtrain.data.sources import build_data
 from hvdtrain.tools.doctor import gpus
 from hvdtrain.engine.environment import threads_per_process
@@ -24,6 +25,7 @@ from hvdtrain.data.streams import StreamDataset
 from hvdtrain.engine.powersgd import sent_values
 from hvdtrain.engine.sharded import held_bytes
 from hvdtrain.models import ModelShapes
+from hvdtrain.train.lazy_modules import has_lazy_layers, make_lazy_weights
 from hvdtrain.train.schedule import learning_rate
 from hvdtrain.io.progress import mib
 from hvdtrain.train.setup import make_optimizer
@@ -63,6 +65,9 @@ def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     first = [next(iter(s), []) for s in samplers]
     model = ModelShapes(split.input_shape, split.num_classes,
                         task.num_outputs(split.num_classes, split.target_shape)).build(config.model)
+    if has_lazy_layers(model):  # as fit makes them
+        make_lazy_weights(model, task, split.train, collate_function(config.data.collate, config.task.ignore_index,
+                                                                     task.target_key), torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]
     memory = memory_per_rank(config, model, size)
     return {

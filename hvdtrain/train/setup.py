@@ -32,6 +32,7 @@ from hvdtrain.tasks import BUILT_IN as BUILT_IN_TASKS, Task, build_task
 from hvdtrain.tasks.check import FirstBatch, best_metric, check_first_batch
 from hvdtrain.numerics.precision import Precision
 from hvdtrain.same_samples import check_same_samples
+from hvdtrain.train.lazy_modules import has_lazy_layers, make_lazy_weights
 from hvdtrain.train.loggers import warn
 from hvdtrain.train.random_state import rng_state, set_rng_state
 from hvdtrain.train.sparse_gradients import densify_sparse_gradients
@@ -106,6 +107,9 @@ def build(config: Config, engine: Engine, made: MadeData | None = None) -> Run:
     task.check_data(split.target_dtype, split.target_shape)
     shapes = ModelShapes(split.input_shape, split.num_classes, task.num_outputs(split.num_classes, split.target_shape))
     model = _module_to_train(shapes.build(config.model), config, engine.rank).to(engine.device)
+    collate = collate_function(config.data.collate, config.task.ignore_index, task.target_key)
+    if has_lazy_layers(model):
+        make_lazy_weights(model, task, split.train, collate, engine.device)
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     precision = Precision(config.train.precision, engine.device)
@@ -120,7 +124,7 @@ def build(config: Config, engine: Engine, made: MadeData | None = None) -> Run:
     forward = torch.compile(model) if config.train.compile else model
     return Run(forward, optimizer, task, split, precision, shapes,
                workers=data_workers(config.data.num_workers, split.train, engine.device.type, engine.local_size),
-               collate=collate_function(config.data.collate, config.task.ignore_index, task.target_key))
+               collate=collate)
 
 
 def _refuse_raw_samples(split: DataSplit, config: Config) -> None:
