@@ -70,6 +70,9 @@ CASES = {
                                                  "targets as y.npy in one directory"),
     "factory does not import": (["--data", "nowhere.module:make"], "module 'nowhere' not found"),
     "factory attribute missing": (["--model", "user_code:absent"], "has no attribute 'absent'"),
+    "lazy layers that do not fit": (["--data", "random", "--model", "user_code:lazy_sized_wrong"],
+                                    "the first training batch failed in the model's forward (task classification): "
+                                    "RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x32 and 30x"),
     "unknown config key": (["--set", "train.epohcs=3"], "config key 'train.epohcs' does not exist: did you mean 'train.epochs'?"),
     "unknown key in yaml": (["--config", "{unknown_key}"], "config key 'train.epohcs' does not exist"),
     "wrong type in yaml": (["--config", "{wrong_type}"], "config key 'data.batch_size' must be an integer, got 'lots'"),

@@ -1320,3 +1320,8 @@ class OddLayers(nn.Module):
 
 def odd_layers(input_shape, num_classes):
     return OddLayers(input_shape, num_classes)
+
+
+def lazy_sized_wrong(input_shape, num_classes):
+    """A LazyLinear's 32 outputs into a Linear that takes 30: its making forward fails."""
+    return nn.Sequential(nn.Flatten(), nn.LazyLinear(32), nn.ReLU(), nn.Linear(30, num_classes))

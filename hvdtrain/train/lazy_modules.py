@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 
 from hvdtrain.data.loading import first_batch
 from hvdtrain.tasks import Task
+from hvdtrain.tasks.check import guarded
 
 
 def has_lazy_layers(model: nn.Module) -> bool:
@@ -28,7 +29,7 @@ def make_lazy_weights(model: nn.Module, task: Task, train: Dataset, collate: Cal
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            task.forward(model, batch)
+        with torch.no_grad():  # a failure is the first batch's, as training's own check would say it
+            guarded(task, "the model's forward", lambda: task.forward(model, batch), batch, "training", model)
     finally:
         model.train(was_training)
