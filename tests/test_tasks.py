@@ -284,6 +284,9 @@ def test_the_first_batch_names_what_does_not_fit():
         _check(TaskConfig(), _OnlyX(three), {"x": x, "y": torch.zeros(8, dtype=torch.long)})
     with pytest.raises(UserError, match=r"failed in the model's forward .*mat1 and mat2.*tensor \(8, 5\) float32"):
         _check(TaskConfig(), three, (torch.randn(8, 5), torch.zeros(8, dtype=torch.long)))
+    with pytest.raises(UserError, match=r"tensor \(8, 4\) float16, .*; the batch holds float16 or bfloat16 where the "
+                                        r"model's weights are float32: return float32 from your Dataset"):
+        _check(TaskConfig(), three, (x.half(), torch.zeros(8, dtype=torch.long)))
 
 
 class _Nested(nn.Module):

@@ -101,6 +101,11 @@ def guarded(task: Task, what: str, call: Callable[[], Any], batch: Any, stage: s
             hint = ("; a model built in float16 or bfloat16 (.half()) meets float32 inputs: build it in float32 and "
                     "train with --precision fp16 or bf16 (autocast computes in half precision and keeps the weights "
                     "float32, which the optimizer's small updates need)")
+        elif re.search(r"\b(Half|BFloat16)\b", str(err)) and _weights_of(model, torch.float32) and any(
+                tensor.dtype in (torch.float16, torch.bfloat16) for tensor in tensors_in(batch)):
+            hint = ("; the batch holds float16 or bfloat16 where the model's weights are float32: return float32 "
+                    "from your Dataset (x.float() as each sample is read: the data may stay half precision), or "
+                    "train with --precision bf16 or fp16, whose autocast takes such inputs")
         elif "Double" in str(err) and _weights_of(model, torch.float64) and any(
                 tensor.dtype == torch.float32 for tensor in tensors_in(batch)):
             hint = ("; a model built in float64 (.double()) meets float32 inputs: build it in float32, or return "
