@@ -233,6 +233,31 @@ def test_a_worker_the_launcher_had_to_kill_after_another_failed_is_not_named_as_
 
 
 @requires_launchers
+def test_a_worker_killed_before_the_other_stopped_is_still_named_though_its_output_closes_later(tmp_path):
+    """Rank 1 dies of SIGKILL (as of the out-of-memory killer) while a child of its own (a data-loader
+    worker) holds its output open for 3 s more; rank 0 leaves with 76 as its peer went away. Horovod sees
+    rank 0's exit first: rank 1's SIGKILL is still the failure, not an end the launcher gave it."""
+    from conftest import LAUNCHERS
+
+    script = tmp_path / "oom.py"
+    script.write_text("import os, pathlib, signal, subprocess, sys, time\n"
+                      "mark = pathlib.Path(sys.argv[1], 'killed')\n"
+                      "if os.environ['HOROVOD_RANK'] == '0':\n"
+                      "    while not mark.exists():\n"
+                      "        time.sleep(0.05)\n"
+                      "    time.sleep(0.5)\n"
+                      "    sys.exit(76)\n"
+                      "subprocess.Popen(['sleep', '3'])\n"
+                      "mark.touch()\n"
+                      "os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([*LAUNCHERS["horovodrun-gloo"], sys.executable, str(script), str(tmp_path)],
+                          env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert done.returncode == 137, done.stdout[-3000:]
+    assert done.stdout.rstrip().splitlines()[-1] == "horovodrun: worker 1 was killed by SIGKILL (exit status 137); " \
+                                                    "the other workers were stopped", done.stdout[-3000:]
+
+
+@requires_launchers
 def test_horovodrun_s_check_build_read_by_a_reader_that_leaves_at_once_is_no_traceback():
     """`horovodrun --check-build | head -1` (or `| true`): Horovod's print raised BrokenPipeError's traceback."""
     read, write = os.pipe()

@@ -9,6 +9,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from hvdtrain.cli import forwarding
@@ -96,13 +97,16 @@ class _StoppedIsNoFailure:
         forwarding.launch_begins()  # a worker: the job itself starts
         if self.elastic:
             return self.shell.execute(command, *args, index=index, events=events, **kwargs)
+        failure_seen = _first_set(events or [])
         code = self.shell.execute(command, *args, index=index, events=[*(events or []), self.grace_over], **kwargs)
         if code != STOPPED and self.grace_over.is_set():  # ended by the grace's end, after the others' stop
             self.ended_late.add(-1 if index is None else index)
             return 0
-        if code == KILLED and any(event.is_set() for event in events or []):
+        if code == KILLED and failure_seen and time.monotonic() - failure_seen[0] >= self.shell.GRACEFUL_TERMINATION_TIME_S:
             # Horovod ended it after another worker failed, and it outlived the SIGTERM (5 s, then SIGKILL):
-            # the launcher's end, as a SIGTERM would have been, not a failure before the other's.
+            # the launcher's end, as a SIGTERM would have been, not a failure before the other's. One killed
+            # sooner after the failure was killed by something else (the kernel's out-of-memory killer), and
+            # may be what the other failed of.
             return ENDED_BY_SIGTERM
         if code != STOPPED:
             return code
@@ -112,6 +116,20 @@ class _StoppedIsNoFailure:
             timer.start()
         self.stopped.add(-1 if index is None else index)
         return 0  # to Horovod; to the entry, STOPPED (`_GlooWorkers.exits`)
+
+
+def _first_set(events: list[threading.Event]) -> list[float]:
+    """A list that gets the time (time.monotonic) the first of `events` is set."""
+    when: list[float] = []
+
+    def note(event: threading.Event) -> None:
+        event.wait()
+        if not when:
+            when.append(time.monotonic())
+
+    for event in events:
+        threading.Thread(target=note, args=(event,), daemon=True).start()
+    return when
 
 
 class PeerGoneHeldBack:
