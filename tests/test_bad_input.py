@@ -70,6 +70,13 @@ CASES = {
                                                  "targets as y.npy in one directory"),
     "factory does not import": (["--data", "nowhere.module:make"], "module 'nowhere' not found"),
     "factory attribute missing": (["--model", "user_code:absent"], "has no attribute 'absent'"),
+    "lazy layers used in training only": (["--data", "random", "--model", "user_code:lazy_in_training_only"],
+                                          "the model's lazy layers auxiliary.weight, auxiliary.bias got no weights from "
+                                          "a forward in eval mode (one used in training only)"),
+    "complex weights with bf16 on the wire": (["--data", "random", "--set", "data.features=12", "--model",
+                                               "user_code:odd_layers", "--compression", "bf16"],
+                                              "the model has complex weights (spectrum), whose gradients --compression "
+                                              "bf16 would send without their imaginary parts: leave --compression out"),
     "lazy layers that do not fit": (["--data", "random", "--model", "user_code:lazy_sized_wrong"],
                                     "the first training batch failed in the model's forward (task classification): "
                                     "RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x32 and 30x"),

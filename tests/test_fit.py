@@ -24,6 +24,14 @@ def fit(*args):
     main(["fit", *RANDOM, *args])
 
 
+def test_a_lazy_model_on_half_precision_inputs_gets_its_weights_under_training_s_autocast(tmp_path):
+    """Lazy layers are made by a forward that runs as training's does: under --precision bf16, float16
+    inputs meet the layers in bf16 (without autocast, as the first build did, float16 met float32)."""
+    main(["fit", "--progress", "off", "--data", "user_code:half_inputs", "--model", "user_code:lazy_net",
+          "--precision", "bf16", "--epochs", "1", "--run-dir", str(tmp_path / "run")])
+    assert final_weights(tmp_path / "run")["0.weight"].shape == (16, 6)
+
+
 def test_run_directory_holds_what_the_readme_says(tmp_path, capsys):
     run_dir = tmp_path / "run"
     fit("--epochs", "3", "--run-dir", str(run_dir))

@@ -1311,6 +1311,12 @@ class OddLayers(nn.Module):
         self.lazy = nn.LazyLinear(16)
         self.head = nn.Linear(32, num_classes)
 
+    def get_extra_state(self):  # not a tensor: evaluate's ranks must pass it by
+        return {"version": 2}
+
+    def set_extra_state(self, state):
+        self.version = state["version"]
+
     def forward(self, x):
         x = x * self.mask * self.scale.float()
         x = torch.fft.ifft(torch.fft.fft(x) * self.spectrum).real
@@ -1325,3 +1331,32 @@ def odd_layers(input_shape, num_classes):
 def lazy_sized_wrong(input_shape, num_classes):
     """A LazyLinear's 32 outputs into a Linear that takes 30: its making forward fails."""
     return nn.Sequential(nn.Flatten(), nn.LazyLinear(32), nn.ReLU(), nn.Linear(30, num_classes))
+
+
+class _LazyInTrainingOnly(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.head = nn.LazyLinear(num_classes)
+        self.auxiliary = nn.LazyLinear(1)
+
+    def forward(self, x):
+        out = self.head(x)
+        return out + 0 * self.auxiliary(x).sum() if self.training else out
+
+
+def lazy_in_training_only(input_shape, num_classes):
+    """A lazy layer only training's forward uses: eval mode leaves it without weights."""
+    return _LazyInTrainingOnly(num_classes)
+
+
+def half_inputs():
+    """Inputs kept in float16, as a memory-mapped array may be."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 6, generator=g)
+    y = (x[:, 0] > 0).long()
+    return (torch.utils.data.TensorDataset(x[:160].half(), y[:160]),
+            torch.utils.data.TensorDataset(x[160:].half(), y[160:]))
+
+
+def lazy_net(input_shape, num_classes):
+    return nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.LazyLinear(num_classes))

@@ -61,10 +61,12 @@ def open_run(engine: Engine, run_dir: str | Path, which: str = "best",
         lazy = has_lazy_layers(model) and not engine.is_root
     if engine.allgather_object(lazy, "lazy_layers")[1:] != [False] * (engine.size - 1):
         # dist: lazy layers (nn.LazyLinear) got their shapes from the checkpoint's weights, on rank 0 alone
-        shapes_of = engine.broadcast_object({name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
-                                            if engine.is_root else None, "lazy_layer_shapes")
+        shapes_of = engine.broadcast_object({name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()
+                                             if isinstance(t, torch.Tensor)} if engine.is_root else None,
+                                            "lazy_layer_shapes")  # a module's extra state is no tensor
         if lazy:
-            model.load_state_dict({name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in shapes_of.items()})
+            model.load_state_dict({name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in shapes_of.items()},
+                                  strict=False)
     check_same_model(model, engine)  # dist: a factory may build another model on some rank
     engine.broadcast_parameters(model)  # dist: every rank holds rank 0's weights
     return SavedRun(run_dir, Path(meta["path"]), config, meta["epoch"], shapes, task, model)

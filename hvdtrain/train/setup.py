@@ -108,13 +108,14 @@ def build(config: Config, engine: Engine, made: MadeData | None = None) -> Run:
     shapes = ModelShapes(split.input_shape, split.num_classes, task.num_outputs(split.num_classes, split.target_shape))
     model = _module_to_train(shapes.build(config.model), config, engine.rank).to(engine.device)
     collate = collate_function(config.data.collate, config.task.ignore_index, task.target_key)
+    precision = Precision(config.train.precision, engine.device)
     if has_lazy_layers(model):
-        make_lazy_weights(model, task, split.train, collate, engine.device)
+        make_lazy_weights(model, task, split.train, collate, engine.device, precision.autocast())
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    precision = Precision(config.train.precision, engine.device)
     densify_sparse_gradients(model)
     train = config.train
+    _refuse_complex_weights_on_a_real_wire(model, train.compression, train.shard_optimizer)
     optimizer = engine.wrap_optimizer(
         make_optimizer(config, model), model,
         GradientSync(train.accumulate, train.compression, train.adasum, train.shard_optimizer, train.powersgd_rank,
@@ -125,6 +126,18 @@ def build(config: Config, engine: Engine, made: MadeData | None = None) -> Run:
     return Run(forward, optimizer, task, split, precision, shapes,
                workers=data_workers(config.data.num_workers, split.train, engine.device.type, engine.local_size),
                collate=collate)
+
+
+def _refuse_complex_weights_on_a_real_wire(model: nn.Module, compression: str, sharded: bool) -> None:
+    """bf16 and PowerSGD on the wire, and fp16 with the optimizer sharded, send real numbers: a complex
+    gradient would lose its imaginary part without a word."""
+    lossy = compression in ("bf16", "powersgd") or (compression == "fp16" and sharded)
+    complex_weights = [name for name, p in model.named_parameters() if p.requires_grad and p.is_complex()]
+    if lossy and complex_weights:
+        given = f"--compression {compression}" + (" with --shard-optimizer" if compression == "fp16" else "")
+        raise UserError(f"the model has complex weights ({', '.join(complex_weights[:3])}), whose gradients {given} "
+                        "would send without their imaginary parts: leave --compression out"
+                        + (", or keep fp16 without --shard-optimizer" if sharded or compression == "fp16" else ""))
 
 
 def _refuse_raw_samples(split: DataSplit, config: Config) -> None:
