@@ -66,21 +66,15 @@ class OnTheWire:
         self.compression = compression
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        sent = torch.view_as_real(tensor) if tensor.is_complex() else tensor
-        if sent.dtype not in _SUMMED:
-            sent = sent.float()
+        sent, back = summable(tensor)
         if not sent.is_contiguous():
             sent = sent.contiguous()
         compressed, ctx = self.compression.compress(sent)
         if sent is tensor:  # Horovod's in-place allreduce, as without this wrapper
-            return compressed, (ctx, None)
-        return compressed, (ctx, tensor)
+            return compressed, (ctx, None, None)
+        return compressed, (ctx, back, tensor)
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        inner, original = ctx
+        inner, back, original = ctx
         result = self.compression.decompress(tensor, inner)
-        if original is None:
-            return result
-        if original.is_complex():
-            result = torch.view_as_complex(result.to(original.real.dtype).contiguous())
-        return torch.empty_like(original).copy_(result)
+        return result if original is None else torch.empty_like(original).copy_(back(result))

@@ -26,7 +26,7 @@ from hvdtrain.engine.powersgd import sent_values
 from hvdtrain.engine.sharded import held_bytes
 from hvdtrain.models import ModelShapes
 from hvdtrain.numerics.precision import Precision
-from hvdtrain.train.lazy_modules import has_lazy_layers, make_lazy_weights
+from hvdtrain.train.lazy_modules import make_lazy_weights
 from hvdtrain.train.schedule import learning_rate
 from hvdtrain.io.progress import mib
 from hvdtrain.train.setup import make_optimizer
@@ -66,11 +66,10 @@ def make_plan(config: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     first = [next(iter(s), []) for s in samplers]
     model = ModelShapes(split.input_shape, split.num_classes,
                         task.num_outputs(split.num_classes, split.target_shape)).build(config.model)
-    if has_lazy_layers(model):  # as fit makes them
-        cpu = torch.device("cpu")
-        make_lazy_weights(model, task, split.train, collate_function(config.data.collate, config.task.ignore_index,
-                                                                     task.target_key), cpu,
-                          Precision(config.train.precision, cpu).autocast())
+    cpu = torch.device("cpu")
+    make_lazy_weights(model, task, split.train, collate_function(config.data.collate, config.task.ignore_index,
+                                                                 task.target_key), cpu,
+                      Precision(config.train.precision, cpu).autocast())  # as fit makes them
     params = [p for p in model.parameters() if p.requires_grad]
     memory = memory_per_rank(config, model, size)
     return {

@@ -26,8 +26,10 @@ def has_lazy_layers(model: nn.Module) -> bool:
 
 def make_lazy_weights(model: nn.Module, task: Task, train: Dataset, collate: Callable[[list[Any]], Any] | None,
                       device: torch.device, autocast: contextlib.AbstractContextManager | None = None) -> None:
-    """One forward in eval mode without gradients (under training's `autocast`): no running statistics
-    move, no dropout draws."""
+    """One forward in eval mode without gradients (under training's `autocast`), where the model has lazy
+    layers: no running statistics move, no dropout draws."""
+    if not has_lazy_layers(model):
+        return
     batch = first_batch(train, 2, collate, "training", device)
     was_training = model.training
     model.eval()

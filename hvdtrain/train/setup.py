@@ -32,7 +32,7 @@ from hvdtrain.tasks import BUILT_IN as BUILT_IN_TASKS, Task, build_task
 from hvdtrain.tasks.check import FirstBatch, best_metric, check_first_batch
 from hvdtrain.numerics.precision import Precision
 from hvdtrain.same_samples import check_same_samples
-from hvdtrain.train.lazy_modules import has_lazy_layers, make_lazy_weights
+from hvdtrain.train.lazy_modules import make_lazy_weights
 from hvdtrain.train.loggers import warn
 from hvdtrain.train.random_state import rng_state, set_rng_state
 from hvdtrain.train.sparse_gradients import densify_sparse_gradients
@@ -109,8 +109,7 @@ def build(config: Config, engine: Engine, made: MadeData | None = None) -> Run:
     model = _module_to_train(shapes.build(config.model), config, engine.rank).to(engine.device)
     collate = collate_function(config.data.collate, config.task.ignore_index, task.target_key)
     precision = Precision(config.train.precision, engine.device)
-    if has_lazy_layers(model):
-        make_lazy_weights(model, task, split.train, collate, engine.device, precision.autocast())
+    make_lazy_weights(model, task, split.train, collate, engine.device, precision.autocast())
     if config.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     densify_sparse_gradients(model)
