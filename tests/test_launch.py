@@ -188,8 +188,10 @@ def test_a_script_stopped_through_the_launcher_is_a_stop_not_a_failure(launcher,
                       "pathlib.Path(sys.argv[1], f'started-{rank}').touch()\n"
                       "time.sleep(120)\n")
     prefix = LAUNCHERS[launcher] if launcher == "torchrun" else [*LAUNCHERS[launcher], sys.executable]
-    job = subprocess.Popen([*prefix, str(script), str(tmp_path)], env=launch_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    job = subprocess.Popen([*prefix, str(script), str(tmp_path)], env={**launch_env(), "TMPDIR": str(temporary)},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
         while len(list(tmp_path.glob("started-*"))) < 2 and time.monotonic() < deadline:
@@ -202,6 +204,7 @@ def test_a_script_stopped_through_the_launcher_is_a_stop_not_a_failure(launcher,
     assert job.returncode == 143, output[-3000:]
     assert f"{name}: stopped by SIGTERM, which it passed on to the workers" in output, output[-3000:]
     assert "worker 0" not in output and "worker rank 0" not in output, output[-3000:]
+    assert not list(temporary.iterdir())  # torchrun left a tree of empty directories for its logs in each launch
 
 
 @requires_launchers

@@ -36,13 +36,14 @@ STEPS_PER_EPOCH = 12
 
 def fit(launcher: str | None, run_dir: Path, *args: str, signal_at: str | None = None,
         dropout: str | None = None, overflow_at: str | None = None,
-        at_exit: str | None = None, record: Path | None = None) -> subprocess.CompletedProcess:
+        at_exit: str | None = None, record: Path | None = None, tmpdir: Path | None = None,
+        ) -> subprocess.CompletedProcess:
     """`hvdtrain fit` under the launcher; `signal_at` is HVDTRAIN_TEST_SIGNAL (RANK:N:SIGNAL),
     `overflow_at` HVDTRAIN_TEST_OVERFLOW, `at_exit` HVDTRAIN_TEST_EXIT_SIGNAL, `record`
-    HVDTRAIN_TEST_RECORD (see tests/user_code.py)."""
+    HVDTRAIN_TEST_RECORD (see tests/user_code.py), `tmpdir` TMPDIR."""
     env = {"HVDTRAIN_TEST_SIGNAL": signal_at or "", "HVDTRAIN_TEST_DROPOUT": dropout or "0.2",
            "HVDTRAIN_TEST_OVERFLOW": overflow_at or "", "HVDTRAIN_TEST_EXIT_SIGNAL": at_exit or "",
-           "HVDTRAIN_TEST_RECORD": str(record or "")}
+           "HVDTRAIN_TEST_RECORD": str(record or ""), **({"TMPDIR": str(tmpdir)} if tmpdir else {})}
     return fit_under(launcher, *ARGS, *args, "--run-dir", str(run_dir), env=env)
 
 
@@ -289,8 +290,13 @@ def test_fp16_accumulation_and_augmenting_data_loader_workers_resume_exactly_fro
     extra = ["--precision", "fp16", "--accumulate", "2", "--data", "user_code:augmented", "--set", "data.num_workers=2"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert_ok(fit("horovodrun-gloo", whole, *extra, overflow_at="5"))
-    stopped = fit("horovodrun-gloo", cut, *extra, signal_at="0:30:SIGTERM:workers", overflow_at="5")  # step 15
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    stopped = fit("horovodrun-gloo", cut, *extra, signal_at="0:30:SIGTERM:workers", overflow_at="5",
+                  tmpdir=temporary)  # step 15
     assert stopped.returncode == 75, stopped.stderr[-3000:]
+    # The workers killed at the stop left their temporary directories behind (pymp-*, one each).
+    assert not [p.name for p in temporary.iterdir() if p.name.startswith("pymp-")]
     assert "stopped by SIGTERM at epoch 3, step 15" in stopped.stdout + stopped.stderr
     resumed = fit("horovodrun-gloo", cut, *extra, "--resume")
     assert_ok(resumed)

@@ -125,6 +125,7 @@ def torchrun() -> None:
     if args.training_script == "hvdtrain" and not (args.no_python or args.module or os.path.isfile("hvdtrain")):
         args.module = True  # python -m hvdtrain: the same program as the `hvdtrain` command
     check_torchrun_sizes(args)
+    log_dir = _own_log_dir(args)
     _grace_after_a_failure(args)
     _no_restart_that_changes_nothing()
     # torchrun logs each failed worker at ERROR before it raises; the line below says it once.
@@ -143,6 +144,7 @@ def torchrun() -> None:
             run(args)
         finally:  # the agent has ended: a signal from here on has no agent to end (the process ends below)
             forwarding.launch_begins(None)
+            _remove_if_empty(log_dir)
     except ChildFailedError as err:
         code, line = torchrun_outcome(err.failures)
         if line:
@@ -153,6 +155,25 @@ def torchrun() -> None:
               file=sys.stderr, flush=True)
     leave_without_teardown(code)  # once the failure's traceback, and the agent's frames, are let go
     sys.exit(code)
+
+
+def _own_log_dir(args) -> str | None:
+    """torchrun without --log-dir makes a temporary directory for its workers' logs and leaves it, a tree of
+    empty directories in /tmp for every launch: one made here instead, removed after (`_remove_if_empty`)."""
+    if args.log_dir:
+        return None
+    import tempfile
+
+    args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+    return args.log_dir
+
+
+def _remove_if_empty(log_dir: str | None) -> None:
+    """Removes the directory `_own_log_dir` made unless it holds a file (--redirects or --tee's logs)."""
+    if log_dir and not any(files for _, _, files in os.walk(log_dir)):
+        import shutil
+
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def _raise_in_the_agent(number: int) -> None:

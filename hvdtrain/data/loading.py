@@ -4,6 +4,7 @@ processes, and collate functions (`pad` for variable-length sequences, or the us
 from __future__ import annotations
 
 import functools
+import multiprocessing.util
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -66,6 +67,10 @@ def batches(dataset: Dataset, sampler: Sampler[list[int]] | list[list[int]], num
         return _TensorBatches(dataset.tensors, sampler, pin_memory)
     if num_workers > 0:
         dataset = _SeededInWorkers(dataset)
+        # Each worker that sends a batch's storage makes a temporary directory for it, which a worker
+        # killed on purpose (a stop, a failure: end_workers) leaves in /tmp. Made here, before the
+        # workers start, it is theirs too, and this process removes it as it exits.
+        multiprocessing.util.get_temp_dir()
     # A generator of its own: each new iterator draws a base seed for its workers, which from the
     # training's random state would shift dropout's draws by one after a resume inside an epoch.
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
