@@ -96,11 +96,13 @@ def build_model(cfg: ModelConfig, input_shape: tuple[int, ...] | None, num_class
                             "function (def model(): return Net()), or pass the object to hvdtrain.fit(model=...)")
         unknown_count = ("the data set does not say how many classes it has: set data.num_classes "
                          "(--set data.num_classes=N), or give your Dataset a `classes` or `num_classes` attribute")
+        unknown_shape = ("the samples' input is not one tensor (several, or a dict): give your model the sizes it "
+                         "needs as arguments of its own (--set model.args.NAME=VALUE)")
         try:
             made = call_factory(cfg.name, "model",
                                 {"input_shape": input_shape, "num_classes": num_classes, "num_outputs": num_outputs},
                                 unknown={"num_classes": unknown_count, "num_outputs": unknown_count,
-                                         "input_shape": "the samples' input is not one tensor"},
+                                         "input_shape": unknown_shape},
                                 args=cfg.args, args_key="model.args", convention=KWARGS_CONVENTION)
         except UserError as err:
             if unstarted_library(err) != "torch.distributed":

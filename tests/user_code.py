@@ -345,6 +345,38 @@ def int_labels():
     return IntLabels()
 
 
+class NamedInputs(_BlobsReshaped):
+    """Dict samples, as a tokenizer's or a feature store's come, with the class count known."""
+
+    classes = Blobs.classes
+
+    def sample(self, x, y):
+        return {"inputs": x, "labels": y}
+
+
+def named_inputs():
+    return NamedInputs()
+
+
+class Weighted(_BlobsReshaped):
+    """(input, label, weight): the last item, the weight, is taken as the target."""
+
+    classes = Blobs.classes
+
+    def sample(self, x, y):
+        return x, y, torch.tensor(1.0)
+
+
+def weighted():
+    return Weighted()
+
+
+def generators():
+    """(train, val) as generators of samples: they can be read once, not every epoch."""
+    blobs = Blobs()
+    return (blobs[i] for i in range(240)), (blobs[i] for i in range(240, 300))
+
+
 def _x_and_y(samples: int = 64) -> tuple:
     """Numpy arrays, as a user loads them."""
     x = torch.randn(samples, 4, generator=torch.Generator().manual_seed(0))

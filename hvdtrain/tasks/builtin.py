@@ -79,7 +79,7 @@ class Classification(Task):
 
     def check_data(self, target_dtype: torch.dtype | None, target_shape: tuple[int, ...] | None) -> None:
         if target_dtype is not None and target_dtype.is_floating_point and target_shape in ((), (1,)):
-            raise UserError(f"task classification: the targets are {target_dtype} numbers, one per sample; "
+            raise UserError(f"task classification: the targets (each sample's last item) are {target_dtype} numbers, one per sample; "
                             "classification needs integer class labels: for float targets use --task regression")
 
     def check(self, output: Any, target: Any, held_targets: torch.Tensor | None) -> None:

@@ -43,10 +43,9 @@ class UserFactory:
             if instead := _not_a_data_set(part):
                 raise UserError(f"data factory '{cfg.name}': its {name} set is {instead}")
             if not hasattr(part, "__getitem__") or not hasattr(part, "__len__"):
-                raise UserError(f"data factory '{cfg.name}': its {name} set is not a map-style Dataset (needs "
-                                "__getitem__ and __len__): hvdtrain shards by index so that every rank gets the same "
-                                "number of batches; return a map-style Dataset (an IterableDataset cannot be sharded "
-                                "evenly)")
+                raise UserError(f"data factory '{cfg.name}': its {name} set, a {type(part).__name__}, is not a "
+                                "Dataset: return a map-style Dataset (__getitem__ and __len__), or an IterableDataset "
+                                "with __len__ that yields the whole data set each time it is iterated (every epoch)")
         _require_samples(cfg, train, val)
         return described(train, val, target_key, introspect.num_classes(train, val), introspect.held_targets(train, val))
 
