@@ -148,7 +148,7 @@ CASES = {
                                    "not follow the model's output back (it has no gradient: detached, or made anew "
                                    "from .item() or numbers): compute it from the output it is given"),
     "metrics not sums and counts": (["--task", "user_code:MeanMetrics"], "not a (sum, count) pair"),
-    "input shape of dict samples": (["--data", "user_code:named_inputs", "--model", "user_code:tiny_net"],
+    "input shape of dict samples": (["--data", "user_code:dict_blobs", "--model", "user_code:tiny_net"],
                                     "takes input_shape, but the samples' input is not one tensor (several, or a dict): "
                                     "give your model the sizes it needs as arguments of its own (--set model.args."),
     "a sample weight as the target": (["--data", "user_code:weighted"], "the targets (each sample's last item) are "

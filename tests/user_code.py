@@ -345,19 +345,6 @@ def int_labels():
     return IntLabels()
 
 
-class NamedInputs(_BlobsReshaped):
-    """Dict samples, as a tokenizer's or a feature store's come, with the class count known."""
-
-    classes = Blobs.classes
-
-    def sample(self, x, y):
-        return {"inputs": x, "labels": y}
-
-
-def named_inputs():
-    return NamedInputs()
-
-
 class Weighted(_BlobsReshaped):
     """(input, label, weight): the last item, the weight, is taken as the target."""
 
