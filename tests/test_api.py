@@ -102,7 +102,11 @@ def test_a_script_s_own_horovod_without_mpi4py_outlives_its_fits(tmp_path):
 def test_a_sweep_that_fails_between_fits_ends_instead_of_hanging(tmp_path):
     """Under mpirun, rank 0's script raises after a fit while rank 1 waits for it in the next one: the
     job ends (MPI_Abort; rank 0 would otherwise wait in MPI_Finalize for rank 1) with the script's own
-    error. Under torchrun, a fit that failed leaves its process group: the next fit says so in one line."""
+    error. Under torchrun, a fit that failed leaves its process group: the next fit says so in one line.
+    Under horovodrun, rank 1's fit fails and no rank catches what fit raises: rank 1's error (a traceback: the
+    script's own) is the job's; rank 0 notes where the job stood in one line and leaves as the command's
+    survivor does. Its AnotherRankFailed traceback and exit status 1 read as a second failure, and horovodrun
+    named worker 0, whose exit came first."""
     import psutil
 
     started = time.monotonic()
@@ -116,6 +120,14 @@ def test_a_sweep_that_fails_between_fits_ends_instead_of_hanging(tmp_path):
     for rank in (0, 1):
         assert f"rank {rank} second fit refused: rank {rank}: an earlier fit or evaluate in this process failed " \
                "and left its process group: start the next one in a launch of its own" in again.stdout, again.stdout
+    uncaught = run([*python_under("horovodrun-gloo"), str(SWEEP), str(tmp_path / "gloo"), "uncaught"], timeout=120)
+    output = uncaught.stdout + uncaught.stderr
+    assert uncaught.returncode == 1, output[-3000:]
+    assert output.rstrip().splitlines()[-1] == "horovodrun: worker 1 exited with status 1; the other workers were " \
+                                               "stopped", output[-3000:]
+    assert "[1]<stderr>:RuntimeError: the callback of rank 1 broke" in output, output[-3000:]
+    assert "[0]<stderr>:hvdtrain: the job stopped in a collective (the end of epoch 1), as another rank failed or " \
+           "left" in output and "[0]<stderr>:Traceback" not in output, output[-3000:]
 
 
 @pytest.mark.multiprocess

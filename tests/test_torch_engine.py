@@ -282,13 +282,13 @@ def test_a_survivor_says_why_it_ends_where_no_launcher_names_the_rank_that_left(
     died, ended with status 76 and no word in its log. Under torchrun or srun it stays silent: the launcher
     names the failed rank, or one log holds rank 0's note."""
     from hvdtrain.errors import ANOTHER_RANK_FAILED
-    from hvdtrain.train import failures
+    from hvdtrain.train import survivors
 
-    monkeypatch.setattr(failures, "_wait_for_the_launcher", lambda seconds: None)
+    monkeypatch.setattr(survivors, "_wait_for_the_launcher", lambda seconds: None)
     for variables, said in ((ENV_RENDEZVOUS, True), ({**TORCHRUN_2, "RANK": "1"}, False), (IN_A_STEP, False)):
         _launched_with(variables, monkeypatch)
         with pytest.raises(SystemExit) as leaving:
-            failures.leave_after_another_rank(RuntimeError("Connection closed by peer"), 1, debug=False)
+            survivors.leave_after_another_rank(RuntimeError("Connection closed by peer"), 1, debug=False)
         assert leaving.value.code == ANOTHER_RANK_FAILED
         err = capsys.readouterr().err
         assert err.startswith("hvdtrain: rank 1: the job stopped") if said else err == "", (variables, err)

@@ -73,7 +73,7 @@ def report_and_exit(err: Exception, debug: bool) -> None:
         fail(str(err), UserError.exit_code if err.kind == "UserError" else 1, debug,
              every_rank=env_rendezvous_launched())
     if _collective_failure(err):  # another rank's failure: the failed rank, or its launcher, names it
-        from hvdtrain.train.failures import leave_after_another_rank
+        from hvdtrain.train.survivors import leave_after_another_rank
 
         leave_after_another_rank(err, launcher_rank() or 0, debug)
 

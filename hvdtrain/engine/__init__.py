@@ -133,6 +133,9 @@ def running_engine(on_failure: Callable[[Exception], None] | None = None, **engi
                     deadline = _leave_by_a_deadline(leaving.code if isinstance(leaving.code, int) else 1)
                 raise
         elif others and engine.is_engine_signal(err):  # a script's: one exception that says so, not the engine's
+            from hvdtrain.train.survivors import uncaught_in_a_script_leaves_as_the_command_does
+
+            uncaught_in_a_script_leaves_as_the_command_does(engine.rank)
             raise AnotherRankFailed.of(err) from err
         raise
     finally:

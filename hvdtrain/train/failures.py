@@ -1,33 +1,17 @@
 """A failure in the middle of a run, as each rank says it: the rank that met it names where in the run
 and where in the user's code (an exception a data-loader worker raised, by its own message, not its
-traceback); a rank whose collective broke off because of it is no second failure, and says only where
-the job stood."""
+traceback). A rank whose collective broke off because of it: train/survivors.py."""
 
 from __future__ import annotations
 
 import re
-import signal
-import sys
-import time
-import traceback
 from pathlib import Path
-from typing import NoReturn
 
 from hvdtrain.data.loading import batching_hint
 from hvdtrain.engine import Engine, RankFailed
-from hvdtrain.engine.environment import env_rendezvous_launched
-from hvdtrain.errors import (ANOTHER_RANK_FAILED, AnotherRankFailed, FailedAt, StoppedBySignal, UserError,
-                             message_lines, note_where_the_job_stood, where, worker_traceback)
+from hvdtrain.errors import (FailedAt, StoppedBySignal, UserError, message_lines, note_where_the_job_stood, where,
+                             worker_traceback)
 from hvdtrain.train.callbacks import StoppedEarly
-
-# dist: how long a rank whose collective broke off waits for the launcher to end it. The failed rank's
-# exit then comes first, and Open MPI's mpirun names the first rank to exit; hvdtrain's horovodrun and
-# torchrun end the others as soon as it has, so the wait costs nothing where a rank did fail. Under their
-# 5 s from SIGTERM to SIGKILL: a launcher's SIGTERM that came while this rank was still in the collective
-# (noted as a stop signal, not ending the wait) must not let SIGKILL name the survivor as the failure.
-SURVIVOR_WAIT_SECONDS = 3.0
-# A launcher's end for the ranks still running once one failed (Open MPI, torchrun, horovodrun).
-_LAUNCHER_STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def located(err: Exception, engine: Engine, position: str, newest: Path | None = None) -> Exception:
@@ -66,20 +50,6 @@ def located(err: Exception, engine: Engine, position: str, newest: Path | None =
     return located
 
 
-def leave_after_another_rank(err: Exception, rank: int, debug: bool) -> NoReturn:
-    """This rank's collective broke off because another rank failed or left (or Horovod's stall inspector
-    ended the job): not this rank's failure. Rank 0 says where the job stood, as a note; then each such
-    rank waits for the launcher to end it and exits with ANOTHER_RANK_FAILED."""
-    if debug:
-        traceback.print_exc()
-    if rank == 0:  # dist: one note, from the rank that holds the run directory
-        print(f"hvdtrain: {AnotherRankFailed.of(err)}", file=sys.stderr, flush=True)
-    elif env_rendezvous_launched():  # no launcher names the rank that left, and each rank's log is its own (a pod's)
-        print(f"hvdtrain: rank {rank}: {AnotherRankFailed.of(err)}", file=sys.stderr, flush=True)
-    _wait_for_the_launcher(SURVIVOR_WAIT_SECONDS)
-    sys.exit(ANOTHER_RANK_FAILED)
-
-
 def worker_message(err: Exception) -> str:
     """The first line of the message; of an exception a data-loader worker raised (which PyTorch raises
     again with the worker's traceback as its message), the worker's own message."""
@@ -97,21 +67,3 @@ def _resume_from(newest: Path | None) -> str:
     if not newest.exists():
         return "; no checkpoint was written yet"
     return f"; the newest checkpoint is {newest}: continue with --resume"
-
-
-class _Ended(Exception):
-    """The launcher's signal came: the wait is over."""
-
-
-def _wait_for_the_launcher(seconds: float) -> None:
-    def ended(number: int, frame: object) -> None:
-        raise _Ended
-
-    for number in _LAUNCHER_STOPS:
-        signal.signal(number, ended)
-    try:
-        time.sleep(seconds)
-    except _Ended:
-        pass
-    for number in _LAUNCHER_STOPS:  # a second one ends the exit's own clean-up, as it would any process
-        signal.signal(number, signal.SIG_DFL)
