@@ -30,7 +30,15 @@ def colon_hint(name: str) -> str:
         found = importlib.util.find_spec(parts[0]) is not None  # a top-level name: nothing is imported
     except (ImportError, ValueError):
         found = False
+    found = found or _in_the_current_directory(parts[0])  # where _import_module finds it too
     return f" (a module's function is named with a colon: '{'.'.join(parts[:-1])}:{parts[-1]}')" if found else ""
+
+
+def _in_the_current_directory(top: str) -> bool:
+    """Whether `top` is a module or a package (not any folder) of the current directory."""
+    import os
+
+    return os.path.isfile(f"{top}.py") or os.path.isfile(os.path.join(top, "__init__.py"))
 
 
 def resolve_factory(path: str, what: str, require_callable: bool = True) -> Callable[..., Any]:
@@ -73,9 +81,8 @@ def _import_module(module_name: str) -> Any:
         import os
         import sys
 
-        top, here = module_name.partition(".")[0], os.getcwd()  # a module or a package, not any folder
-        in_here = os.path.isfile(os.path.join(here, f"{top}.py")) or os.path.isfile(os.path.join(here, top, "__init__.py"))
-        if err.name != top or not in_here or here in sys.path or "" in sys.path:
+        top, here = module_name.partition(".")[0], os.getcwd()
+        if err.name != top or not _in_the_current_directory(top) or here in sys.path or "" in sys.path:
             raise
         sys.path.append(here)  # last: a module of the current directory never hides an installed one
         return importlib.import_module(module_name)

@@ -19,6 +19,7 @@ from factory_signatures import ResNetLike, TinyConv
 from hvdtrain import UserError
 from hvdtrain.cli import main
 from hvdtrain.config import Config, ModelConfig, TaskConfig, describe, settings_config
+from hvdtrain.data.sources import source_of
 from hvdtrain.factory import resolve_factory
 from hvdtrain.models import build_model
 from hvdtrain.tasks import build_task
@@ -147,6 +148,21 @@ def test_a_module_in_the_current_directory_is_found_without_pythonpath(tmp_path)
     fit = ["--data", "mydata:data", "--epochs", "1", "--num-workers", "1", "--engine", "local", "--run-dir", "r"]
     assert_ok(run(["hvdtrain", "fit", "--progress", "off", *fit], cwd=tmp_path, pythonpath=str(ROOT)))
     assert_ok(run(["hvdtrain", "evaluate", "r"], cwd=tmp_path, pythonpath=str(ROOT)))
+
+
+def test_a_dotted_name_of_a_module_in_the_current_directory_says_to_use_a_colon(tmp_path, monkeypatch):
+    """`--data mydata.make` where mydata.py is in the current directory, not on the path: the colon's hint
+    (it looked only on the path). The task's unknown name gives it too."""
+    (tmp_path / "mydata.py").write_text("def make():\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", str(tmp_path))])
+    hint = " (a module's function is named with a colon: 'mydata:make')"
+    with pytest.raises(UserError) as data:
+        source_of("mydata.make")
+    assert str(data.value).endswith(hint)
+    with pytest.raises(UserError) as task:
+        build_task(TaskConfig(name="mydata.make"))
+    assert str(task.value).endswith(hint)
 
 
 def test_a_folder_of_the_current_directory_that_is_no_package_is_not_imported(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import difflib
 
 from hvdtrain.config import TaskConfig
 from hvdtrain.errors import UserError
-from hvdtrain.factory import is_factory_path
+from hvdtrain.factory import colon_hint, is_factory_path
 from hvdtrain.tasks.base import Task, batch_metrics, model_loss, predictions, training_loss
 from hvdtrain.tasks.builtin import Classification, LanguageModel, Multilabel, Regression
 
@@ -37,4 +37,4 @@ def build_task(cfg: TaskConfig) -> Task:
     if close:
         raise UserError(f"unknown task '{cfg.name}': did you mean '{close[0]}'?")
     raise UserError(f"unknown task '{cfg.name}': use one of {', '.join(BUILT_IN)}, or package.module:function "
-                    "for your own (a loss function or an object with loss and metrics)")
+                    f"for your own (a loss function or an object with loss and metrics){colon_hint(cfg.name)}")
