@@ -285,6 +285,22 @@ def test_a_python_session_stopped_by_ctrl_c_gets_its_own_handlers_back(tmp_path)
                      "insisting: KeyboardInterrupt", "at the end: True"], done
 
 
+def test_a_script_that_leaves_the_stop_uncaught_exits_as_the_command_does(tmp_path):
+    """A script's fit stopped by SIGTERM, StoppedBySignal not caught: the command's one line and status 75
+    (a requeue script's sign of a stop with a checkpoint), not a traceback and status 1 from every rank."""
+    script = ("import os, signal, sys\nimport hvdtrain\n"
+              "class Term:\n    def on_step_end(self, state):\n"
+              "        if state.step == 2:\n            os.kill(os.getpid(), signal.SIGTERM)\n"
+              "hvdtrain.fit(model='mlp', data='random', epochs=2, progress='off', run_dir=sys.argv[1], callbacks=[Term()],"
+              " overrides={'run.stop_check_seconds': 0, 'data.samples': 512})\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 75, done
+    assert done.stderr.splitlines()[-1] == "hvdtrain: stopped by SIGTERM at epoch 1, step 2: checkpoint written; " \
+                                           "continue with --resume", done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_the_fit_command_holds_the_scheduler_s_warning_before_it_loads_anything_heavy():
     """Slurm's --signal may reach a task within its first second: `hvdtrain fit` notes SIGUSR1 from its
     entry point on, before click, the config, YAML or torch load (until then the default kills it); the

@@ -132,11 +132,14 @@ def running_engine(on_failure: Callable[[Exception], None] | None = None, **engi
                 if not finished and others and not engine_args.get("process_goes_on"):
                     deadline = _leave_by_a_deadline(leaving.code if isinstance(leaving.code, int) else 1)
                 raise
-        elif others and engine.is_engine_signal(err):  # a script's: one exception that says so, not the engine's
+        else:  # a script's
             from hvdtrain.train.survivors import uncaught_in_a_script_leaves_as_the_command_does
 
-            uncaught_in_a_script_leaves_as_the_command_does(engine.rank)
-            raise AnotherRankFailed.of(err) from err
+            if others and engine.is_engine_signal(err):  # one exception that says so, not the engine's
+                uncaught_in_a_script_leaves_as_the_command_does(engine.rank)
+                raise AnotherRankFailed.of(err) from err
+            if finished:
+                uncaught_in_a_script_leaves_as_the_command_does(engine.rank)
         raise
     finally:
         engine.shutdown(finished)
