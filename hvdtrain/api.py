@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
 
+from hvdtrain.cli import script_exit
 from hvdtrain.config import FIT_SETTINGS, Config, default_part, saved_run_overrides, settings_config
 from hvdtrain.errors import UserError
 
@@ -38,6 +39,7 @@ given = SimpleNamespace()
 GIVEN = "hvdtrain.api:given."
 
 
+@script_exit.as_the_command_if_uncaught()
 def fit(model: ModelLike | None = None, data: DataLike | None = None, task: Any = None, *,
         callbacks: Sequence[Any] = (), config: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
         engine: str | None = None, **settings: Any) -> dict[str, Any]:
@@ -103,6 +105,7 @@ def fit_config(model: Any, data: Any, task: Any, callbacks: Sequence[Any], confi
     return settings_config(config, dict(overrides or {}), {**settings, **named}, engine)
 
 
+@script_exit.as_the_command_if_uncaught()
 def evaluate(run_dir: str | Path, *, checkpoint: str = "best", data: DataLike | None = None, split: str | None = None,
              model: ModelLike | None = None, task: Any = None, batch_size: int | None = None,
              overrides: Mapping[str, Any] | None = None, device: str = "auto") -> dict[str, Any]:
@@ -117,6 +120,7 @@ def evaluate(run_dir: str | Path, *, checkpoint: str = "best", data: DataLike | 
                          lambda saved, engine: evaluate_run(saved, engine, part))
 
 
+@script_exit.as_the_command_if_uncaught()
 def predict(run_dir: str | Path, *, checkpoint: str = "best", data: DataLike | None = None, split: str | None = None,
             model: ModelLike | None = None, task: Any = None, batch_size: int | None = None, raw_outputs: bool = False,
             overrides: Mapping[str, Any] | None = None, device: str = "auto") -> Any:
@@ -137,6 +141,7 @@ def predict(run_dir: str | Path, *, checkpoint: str = "best", data: DataLike | N
         return found
 
 
+@script_exit.as_the_command_if_uncaught()
 def export(run_dir: str | Path, *, format: str | None = None, output: str | Path | None = None,
            checkpoint: str = "best", data: DataLike | None = None, model: ModelLike | None = None,
            overrides: Mapping[str, Any] | None = None, device: str = "auto") -> Path | None:

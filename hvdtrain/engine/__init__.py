@@ -132,14 +132,8 @@ def running_engine(on_failure: Callable[[Exception], None] | None = None, **engi
                 if not finished and others and not engine_args.get("process_goes_on"):
                     deadline = _leave_by_a_deadline(leaving.code if isinstance(leaving.code, int) else 1)
                 raise
-        else:  # a script's
-            from hvdtrain.train.survivors import uncaught_in_a_script_leaves_as_the_command_does
-
-            if others and engine.is_engine_signal(err):  # one exception that says so, not the engine's
-                uncaught_in_a_script_leaves_as_the_command_does(engine.rank)
-                raise AnotherRankFailed.of(err) from err
-            if finished:
-                uncaught_in_a_script_leaves_as_the_command_does(engine.rank)
+        elif others and engine.is_engine_signal(err):  # a script's: one exception that says so, not the engine's
+            raise AnotherRankFailed.of(err) from err
         raise
     finally:
         engine.shutdown(finished)

@@ -1,6 +1,6 @@
 """A rank whose collective broke off because another rank failed or left: no second failure. It says
 only where the job stood (rank 0), waits for the launcher to end it, and exits ANOTHER_RANK_FAILED: the
-command's survivors, and a script's that leaves fit's AnotherRankFailed (or StoppedBySignal) uncaught."""
+command's survivors, and a script's that leaves fit's AnotherRankFailed uncaught (cli/script_exit.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import traceback
 from typing import NoReturn
 
 from hvdtrain.engine.environment import env_rendezvous_launched
-from hvdtrain.errors import ANOTHER_RANK_FAILED, AnotherRankFailed, StoppedBySignal
+from hvdtrain.errors import ANOTHER_RANK_FAILED, AnotherRankFailed
 
 # dist: how long a rank whose collective broke off waits for the launcher to end it. The failed rank's
 # exit then comes first, and Open MPI's mpirun names the first rank to exit; hvdtrain's horovodrun and
@@ -29,40 +29,11 @@ def leave_after_another_rank(err: Exception, rank: int, debug: bool) -> NoReturn
     rank waits for the launcher to end it and exits with ANOTHER_RANK_FAILED."""
     if debug:
         traceback.print_exc()
-    _note_and_wait(AnotherRankFailed.of(err), rank)
+    note_and_wait(AnotherRankFailed.of(err), rank)
     sys.exit(ANOTHER_RANK_FAILED)
 
 
-def uncaught_in_a_script_leaves_as_the_command_does(rank: int) -> None:
-    """A script's `hvdtrain.fit` (evaluate, ...) raised AnotherRankFailed or StoppedBySignal: left uncaught,
-    it ends this rank as the command would, not with a traceback and status 1 on every rank, which read as
-    a failure: horovodrun named the survivor whose exit came first instead of the rank that failed, and a
-    stop with its checkpoint was no status 75 for a requeue script. Caught, nothing changes. Any other
-    uncaught exception goes to the hook there was (under MPI, its abort)."""
-    before = sys.excepthook
-    if getattr(before, "hvdtrain_survivor", False):
-        return
-
-    def hook(kind: type[BaseException], value: BaseException, trace: object) -> None:
-        if isinstance(value, AnotherRankFailed):
-            _note_and_wait(value, rank)
-            code = ANOTHER_RANK_FAILED
-        elif isinstance(value, StoppedBySignal):
-            if rank == 0:  # dist: rank 0 says where every rank stopped
-                print(f"hvdtrain: {value}", file=sys.stderr, flush=True)
-            code = value.exit_code
-        else:
-            before(kind, value, trace)
-            return
-        from hvdtrain.cli.leaving import leave_at_once
-
-        leave_at_once(code)
-
-    hook.hvdtrain_survivor = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
-
-
-def _note_and_wait(failed: AnotherRankFailed, rank: int) -> None:
+def note_and_wait(failed: AnotherRankFailed, rank: int) -> None:
     """Rank 0's note on where the job stood, then the wait for the launcher to end this rank."""
     if rank == 0:  # dist: one note, from the rank that holds the run directory
         print(f"hvdtrain: {failed}", file=sys.stderr, flush=True)

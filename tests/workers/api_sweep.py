@@ -3,12 +3,14 @@
     mpirun -np 2 python tests/workers/api_sweep.py RUN_DIR raise-between
     torchrun --nproc-per-node 2 tests/workers/api_sweep.py RUN_DIR after-a-failed-fit
     horovodrun --gloo -np 2 python tests/workers/api_sweep.py RUN_DIR uncaught
+    torchrun --nproc-per-node 2 tests/workers/api_sweep.py RUN_DIR bad-input
 
 raise-between: after the first fit, rank 0's script raises (its results could not be written)
 while rank 1 goes on to the second fit, which waits for rank 0: the job must end, not hang.
 after-a-failed-fit: the first fit fails on every rank (a loss that is not a scalar), the script
 catches it and fits again: one line says why that cannot run in this process.
 uncaught: rank 1's callback raises in the first epoch's end, and no rank catches what fit raises.
+bad-input: a batch larger than the data set, not caught.
 """
 
 import sys
@@ -26,6 +28,9 @@ if mode == "raise-between":
     if rank == 0:
         raise PermissionError("results.csv is not writable")
     hvdtrain.fit(model=tiny_net((5,), 3), task=torch.nn.CrossEntropyLoss(), run_dir=f"{run_dir}/b", **settings)
+elif mode == "bad-input":
+    hvdtrain.fit(model=tiny_net((5,), 3), task=torch.nn.CrossEntropyLoss(), run_dir=f"{run_dir}/a",
+                 **{**settings, "batch_size": 1000})
 elif mode == "uncaught":
     class FailsOnRank1:
         def on_epoch_end(self, state):

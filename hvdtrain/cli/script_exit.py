@@ -1,0 +1,66 @@
+"""A script's uncaught hvdtrain error ends its rank as the `hvdtrain` command would end it: bad input is
+rank 0's one line and status 2, a stop on a signal rank 0's line and status 75, a rank stopped by
+another's failure rank 0's note and status 76. Python's own way, a traceback and status 1 from every
+rank, read as a failure of each: horovodrun named whichever rank exited first (a survivor, not the rank
+that failed), and a stop with its checkpoint was no status 75 for a requeue script. A script that catches
+them sees no change; a notebook (IPython shows its own tracebacks) neither."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator
+
+
+@contextlib.contextmanager
+def as_the_command_if_uncaught() -> Iterator[None]:
+    """Around a call of the Python API: an hvdtrain error leaving it puts the hook in front of whatever
+    hook is there by then (torch.distributed's, which writes its inner hook's output into a buffer it
+    prints after, and mpi4py's abort), so that it answers first."""
+    from hvdtrain.errors import AnotherRankFailed, StoppedBySignal, UserError
+
+    try:
+        yield
+    except (AnotherRankFailed, StoppedBySignal, UserError):
+        _install()
+        raise
+
+
+def _install() -> None:
+    """Puts the hook in front of the one there is, unless it is there already."""
+    before = sys.excepthook
+    if getattr(before, "hvdtrain_script_exit", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, trace: Any) -> None:
+        code = _said_as_the_command(value) if isinstance(value, Exception) else None
+        if code is None:
+            before(kind, value, trace)
+            return
+        from hvdtrain.cli.leaving import leave_at_once
+
+        leave_at_once(code)
+
+    hook.hvdtrain_script_exit = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _said_as_the_command(err: Exception) -> int | None:
+    """Says what the command says of `err` and returns its exit status; None for an error not hvdtrain's."""
+    from hvdtrain.errors import ANOTHER_RANK_FAILED, AnotherRankFailed, StoppedBySignal, UserError
+
+    if isinstance(err, AnotherRankFailed):
+        from hvdtrain.engine import launcher_rank
+        from hvdtrain.train.survivors import note_and_wait
+
+        note_and_wait(err, launcher_rank() or 0)
+        return ANOTHER_RANK_FAILED
+    if not isinstance(err, (StoppedBySignal, UserError)):
+        return None
+    from hvdtrain.cli.common import report_and_exit
+
+    try:
+        report_and_exit(err, debug=False)
+    except SystemExit as leaving:
+        return leaving.code if isinstance(leaving.code, int) else 1
+    return None
