@@ -11,6 +11,10 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 
 
+# Where a line stands for a traceback: how to see it, from the command and from a script (cli/script_exit.py).
+SHOWS_THE_TRACEBACK = "--debug, or HVDTRAIN_DEBUG=1 for a script, shows the traceback"
+
+
 class UserError(Exception):
     """Bad input: the message says what is wrong and how to fix it."""
 

@@ -12,7 +12,7 @@ import importlib.util
 import inspect
 from typing import Any, Callable, Mapping, Sequence
 
-from hvdtrain.errors import UserError
+from hvdtrain.errors import SHOWS_THE_TRACEBACK, UserError, where
 
 
 def is_factory_path(text: str) -> bool:
@@ -142,8 +142,8 @@ def call_factory(path: str, what: str, offered: dict[str, Any], unknown: dict[st
     try:
         return factory(**kwargs)
     except Exception as err:
-        raise UserError(f"{what} factory '{path}' raised {type(err).__name__}: {err} "
-                        "(--debug shows the traceback)") from err
+        raise UserError(f"{what} factory '{path}' raised {type(err).__name__}: {err}{where(err)} "
+                        f"({SHOWS_THE_TRACEBACK})") from err
 
 
 def unstarted_library(err: UserError) -> str:

@@ -163,6 +163,9 @@ def test_a_dotted_name_of_a_module_in_the_current_directory_says_to_use_a_colon(
     with pytest.raises(UserError) as task:
         build_task(TaskConfig(name="mydata.make"))
     assert str(task.value).endswith(hint)
+    with pytest.raises(UserError) as task:  # not "did you mean 'regression'?"
+        build_task(TaskConfig(name="mydata.regression"))
+    assert str(task.value).endswith(" (a module's function is named with a colon: 'mydata:regression')")
 
 
 def test_a_folder_of_the_current_directory_that_is_no_package_is_not_imported(tmp_path, monkeypatch):

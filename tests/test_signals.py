@@ -301,6 +301,25 @@ def test_a_script_that_leaves_the_stop_uncaught_exits_as_the_command_does(tmp_pa
     assert "Traceback" not in done.stderr, done.stderr
 
 
+def test_a_script_s_uncaught_bad_input_is_one_line_after_its_threads_and_a_session_goes_on(tmp_path):
+    """A script's uncaught UserError: the command's one line and status 2, once the script's own thread (not a
+    daemon: Python waits for it) has done its work. In an interactive session the error is Python's own and
+    the session goes on (the hook had ended it, status 2)."""
+    written = tmp_path / "uploaded"
+    script = ("import sys, threading, time\nimport hvdtrain\n"
+              "threading.Thread(target=lambda: (time.sleep(6), open(sys.argv[1], 'w').write('done'))).start()\n"
+              "hvdtrain.fit(model='nosuchmodel', data='random', progress='off')\n")
+    done = subprocess.run([sys.executable, "-c", script, str(written)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == 2 and written.read_text() == "done", done
+    assert done.stderr.splitlines()[-1].startswith("hvdtrain: error: unknown model 'nosuchmodel'"), done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    session = subprocess.run([sys.executable, "-i"], input="import hvdtrain\nhvdtrain.fit(model='nosuchmodel')\n"
+                             "print('still here')\n", capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert session.returncode == 0 and "still here" in session.stdout, session
+    assert "hvdtrain.errors.UserError: unknown model 'nosuchmodel'" in session.stderr, session.stderr
+
+
 def test_the_fit_command_holds_the_scheduler_s_warning_before_it_loads_anything_heavy():
     """Slurm's --signal may reach a task within its first second: `hvdtrain fit` notes SIGUSR1 from its
     entry point on, before click, the config, YAML or torch load (until then the default kills it); the

@@ -1379,3 +1379,10 @@ def half_inputs():
 
 def lazy_net(input_shape, num_classes):
     return nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.LazyLinear(num_classes))
+
+
+def missing_on_rank_one():
+    """A data factory whose files are missing on rank 1's host alone."""
+    if _rank() == 1:
+        raise FileNotFoundError("/data/train.npy (missing on this host)")
+    return blobs_split()

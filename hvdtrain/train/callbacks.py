@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from hvdtrain.errors import FailedAt, UserError, message_lines, note_where_the_job_stood, where
+from hvdtrain.errors import SHOWS_THE_TRACEBACK, FailedAt, UserError, message_lines, note_where_the_job_stood, where
 from hvdtrain.factory import resolve_factory
 
 # Each hook with the arguments it is given: a method that cannot take them is refused at the start, not
@@ -113,7 +113,7 @@ class Callbacks:
             except Exception as err:  # dist: only this rank knows: it says so itself, every rank stops
                 failed = FailedAt(f"rank {engine.rank} failed at epoch {epoch}, step {step}: callback "
                                   f"{_name(callback)}.{hook} raised {type(err).__name__}: {message_lines(err)}"
-                                  f"{where(err)}; every rank stops (--debug shows the traceback)")
+                                  f"{where(err)}; every rank stops ({SHOWS_THE_TRACEBACK})")
                 note_where_the_job_stood(failed, f"epoch {epoch}, step {step}")
                 raise failed from err
 

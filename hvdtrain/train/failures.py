@@ -9,8 +9,8 @@ from pathlib import Path
 
 from hvdtrain.data.loading import batching_hint
 from hvdtrain.engine import Engine, RankFailed
-from hvdtrain.errors import (FailedAt, StoppedBySignal, UserError, message_lines, note_where_the_job_stood, where,
-                             worker_traceback)
+from hvdtrain.errors import (SHOWS_THE_TRACEBACK, FailedAt, StoppedBySignal, UserError, message_lines,
+                             note_where_the_job_stood, where, worker_traceback)
 from hvdtrain.train.callbacks import StoppedEarly
 
 
@@ -44,7 +44,7 @@ def located(err: Exception, engine: Engine, position: str, newest: Path | None =
     else:
         resume = _resume_from(newest if engine.is_root else None)
         located = FailedAt(f"rank {engine.rank} failed at {position}: {type(err).__name__}: {message}{where(err)}"
-                           f"{batching_hint(err)}; every rank stops (--debug shows the traceback){resume}")
+                           f"{batching_hint(err)}; every rank stops ({SHOWS_THE_TRACEBACK}){resume}")
     located.__cause__ = err
     note_where_the_job_stood(located, position)
     return located

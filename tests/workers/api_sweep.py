@@ -10,7 +10,7 @@ while rank 1 goes on to the second fit, which waits for rank 0: the job must end
 after-a-failed-fit: the first fit fails on every rank (a loss that is not a scalar), the script
 catches it and fits again: one line says why that cannot run in this process.
 uncaught: rank 1's callback raises in the first epoch's end, and no rank catches what fit raises.
-bad-input: a batch larger than the data set, not caught.
+bad-input: rank 1's data factory fails (its files missing), not caught.
 """
 
 import sys
@@ -30,7 +30,7 @@ if mode == "raise-between":
     hvdtrain.fit(model=tiny_net((5,), 3), task=torch.nn.CrossEntropyLoss(), run_dir=f"{run_dir}/b", **settings)
 elif mode == "bad-input":
     hvdtrain.fit(model=tiny_net((5,), 3), task=torch.nn.CrossEntropyLoss(), run_dir=f"{run_dir}/a",
-                 **{**settings, "batch_size": 1000})
+                 **{**settings, "data": "user_code:missing_on_rank_one"})
 elif mode == "uncaught":
     class FailsOnRank1:
         def on_epoch_end(self, state):
