@@ -303,8 +303,8 @@ def test_a_script_that_leaves_the_stop_uncaught_exits_as_the_command_does(tmp_pa
 
 def test_a_script_s_uncaught_bad_input_is_one_line_after_its_threads_and_a_session_goes_on(tmp_path):
     """A script's uncaught UserError: the command's one line and status 2, once the script's own thread (not a
-    daemon: Python waits for it) has done its work. In an interactive session the error is Python's own and
-    the session goes on (the hook had ended it, status 2)."""
+    daemon: Python waits for it) has done its work. A UserError the script raises itself, and any error in an
+    interactive session (which goes on), are Python's own (the hook had taken both as fit's, ending the session)."""
     written = tmp_path / "uploaded"
     script = ("import sys, threading, time\nimport hvdtrain\n"
               "threading.Thread(target=lambda: (time.sleep(6), open(sys.argv[1], 'w').write('done'))).start()\n"
@@ -314,6 +314,12 @@ def test_a_script_s_uncaught_bad_input_is_one_line_after_its_threads_and_a_sessi
     assert done.returncode == 2 and written.read_text() == "done", done
     assert done.stderr.splitlines()[-1].startswith("hvdtrain: error: unknown model 'nosuchmodel'"), done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+    # The script's own UserError, after fit's was caught, keeps Python's way: the traceback to its line.
+    own = subprocess.run([sys.executable, "-c", "import hvdtrain\ntry:\n    hvdtrain.fit(model='nosuchmodel')\n"
+                          "except hvdtrain.UserError:\n    pass\nraise hvdtrain.UserError('results.csv has no acc')\n"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert own.returncode == 1 and own.stderr.splitlines()[-1] == "hvdtrain.errors.UserError: results.csv has no " \
+                                                                   "acc", own.stderr
     session = subprocess.run([sys.executable, "-i"], input="import hvdtrain\nhvdtrain.fit(model='nosuchmodel')\n"
                              "print('still here')\n", capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert session.returncode == 0 and "still here" in session.stdout, session

@@ -37,7 +37,7 @@ def _leave(code: int | str | None) -> None:
 
     status = _status(code)
     atexit._run_exitfuncs()
-    _flush_and_exit(status)
+    flush_and_exit(status)
 
 
 def _end_data_loader_workers() -> None:
@@ -70,7 +70,7 @@ def _status(code: int | str | None) -> int:
     return 1
 
 
-def _flush_and_exit(status: int) -> None:
+def flush_and_exit(status: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -24,7 +24,12 @@ def as_the_command_if_uncaught() -> Iterator[None]:
         yield
     except Exception as err:
         if _is_hvdtrain_s(err):
-            _install()
+            try:  # marked: the hook leaves errors of the same types the script raises itself to Python
+                err.hvdtrain_left_the_api = True  # type: ignore[attr-defined]
+            except AttributeError:  # one that takes no attributes keeps Python's way
+                pass
+            else:
+                _install()
         raise
 
 
@@ -36,11 +41,16 @@ def _install() -> None:
 
     def hook(kind: type[BaseException], value: BaseException, trace: Any) -> None:
         interactive = hasattr(sys, "ps1") or sys.flags.interactive  # a session goes on after its error
-        code = None if interactive or not isinstance(value, Exception) else _said_as_the_command(value)
-        if code is None:
+        if interactive or not getattr(value, "hvdtrain_left_the_api", False):
             before(kind, value, trace)
             return
-        _leave(code)
+        try:
+            code = _said_as_the_command(value)  # type: ignore[arg-type]
+            _leave(code if code is not None else 1)
+        except BaseException:  # Ctrl-C while a rank waits (for rank 0's word, the launcher, a thread): its status
+            from hvdtrain.cli.leaving import flush_and_exit
+
+            flush_and_exit(getattr(value, "exit_code", 1))
 
     hook.hvdtrain_script_exit = True  # type: ignore[attr-defined]
     sys.excepthook = hook
