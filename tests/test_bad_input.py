@@ -151,8 +151,8 @@ CASES = {
     "input shape of dict samples": (["--data", "user_code:dict_blobs", "--model", "user_code:tiny_net"],
                                     "takes input_shape, but the samples' input is not one tensor (several, or a dict): "
                                     "give your model the sizes it needs as arguments of its own (--set model.args."),
-    "a sample weight as the target": (["--data", "user_code:weighted"], "the targets (each sample's last item) are "
-                                      "torch.float32 numbers, one per sample"),
+    "a sample weight as the target": (["--data", "user_code:weighted"], "the targets (each sample's last item, or its "
+                                      "'labels') are torch.float32 numbers, one per sample"),
     "generators of samples": (["--data", "user_code:generators"], "data factory 'user_code:generators': its train "
                               "set, a generator, is not a Dataset: return a map-style Dataset"),
     "class count unknown": (["--data", "user_code:int_labels", "--model", "user_code:needs_num_classes"],

@@ -79,8 +79,9 @@ class Classification(Task):
 
     def check_data(self, target_dtype: torch.dtype | None, target_shape: tuple[int, ...] | None) -> None:
         if target_dtype is not None and target_dtype.is_floating_point and target_shape in ((), (1,)):
-            raise UserError(f"task classification: the targets (each sample's last item) are {target_dtype} numbers, one per sample; "
-                            "classification needs integer class labels: for float targets use --task regression")
+            raise UserError(f"task classification: the targets (each sample's last item, or its '{self.target_key}') "
+                            f"are {target_dtype} numbers, one per sample; classification needs integer class labels: "
+                            "for float targets use --task regression")
 
     def check(self, output: Any, target: Any, held_targets: torch.Tensor | None) -> None:
         logits = _outputs_of(output, self.name)
