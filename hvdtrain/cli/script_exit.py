@@ -45,8 +45,7 @@ def _install() -> None:
             before(kind, value, trace)
             return
         try:
-            code = _said_as_the_command(value)  # type: ignore[arg-type]
-            _leave(code if code is not None else 1)
+            _leave(_said_as_the_command(value))  # type: ignore[arg-type]
         except BaseException:  # Ctrl-C while a rank waits (for rank 0's word, the launcher, a thread): its status
             from hvdtrain.cli.leaving import flush_and_exit
 
@@ -64,13 +63,11 @@ def _is_hvdtrain_s(err: Exception) -> bool:
     return isinstance(err, (AnotherRankFailed, StoppedBySignal, UserError, *((base.RankFailed,) if base else ())))
 
 
-def _said_as_the_command(err: Exception) -> int | None:
-    """Says what the command says of `err` and returns its exit status; None for an error not hvdtrain's.
+def _said_as_the_command(err: Exception) -> int:
+    """Says what the command says of `err` (one the API marked) and returns its exit status.
     HVDTRAIN_DEBUG=1 is the script's --debug: the traceback first."""
     from hvdtrain.errors import ANOTHER_RANK_FAILED, AnotherRankFailed
 
-    if not _is_hvdtrain_s(err):
-        return None
     debug = os.environ.get("HVDTRAIN_DEBUG", "") not in ("", "0")
     if debug:
         traceback.print_exception(err)
@@ -86,7 +83,7 @@ def _said_as_the_command(err: Exception) -> int | None:
         report_and_exit(err, debug=False)
     except SystemExit as leaving:
         return leaving.code if isinstance(leaving.code, int) else 1
-    return None
+    return 1  # report_and_exit exits on each of these; a status all the same
 
 
 def _leave(code: int) -> None:

@@ -33,8 +33,8 @@ def build_task(cfg: TaskConfig) -> Task:
         from hvdtrain.tasks.user import user_task
 
         return user_task(cfg.name, cfg.target_key, cfg.args)
-    close = difflib.get_close_matches(cfg.name, BUILT_IN, n=1)
-    if close and not colon_hint(cfg.name):  # mytasks.regression: the colon, not the built-in
+    close, hint = difflib.get_close_matches(cfg.name, BUILT_IN, n=1), colon_hint(cfg.name)
+    if close and not hint:  # mytasks.regression: the colon, not the built-in
         raise UserError(f"unknown task '{cfg.name}': did you mean '{close[0]}'?")
     raise UserError(f"unknown task '{cfg.name}': use one of {', '.join(BUILT_IN)}, or package.module:function "
-                    f"for your own (a loss function or an object with loss and metrics){colon_hint(cfg.name)}")
+                    f"for your own (a loss function or an object with loss and metrics){hint}")
